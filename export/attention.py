@@ -1,0 +1,119 @@
+"""The multi-head attention layer: fused QKV projection, SDPA kernel, padding and causal masks, weights on demand."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def resolve_head_dim(d_model: int, heads: int, head_dim: int | None) -> int:
+    """head_dim as given, else d_model // heads; ValueError naming the numbers when that does not divide."""
+    if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
+        raise ValueError(f"the number of heads must be an integer >= 1, got h={heads!r}")
+    if isinstance(d_model, bool) or not isinstance(d_model, int) or d_model < 1:
+        raise ValueError(f"d_model must be an integer >= 1, got d_model={d_model!r}")
+    if head_dim is not None:
+        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
+            raise ValueError(f"head_dim must be an integer >= 1, got head_dim={head_dim!r}")
+        return head_dim
+    if d_model % heads != 0:
+        raise ValueError(
+            f"d_model={d_model} is not divisible by h={heads}; pass head_dim explicitly "
+            f"(for example head_dim={math.ceil(d_model / heads)}, so that h * head_dim = "
+            f"{heads * math.ceil(d_model / heads)} is projected back to d_model)"
+        )
+    return d_model // heads
+
+
+class MultiHeadAttention(nn.Module):
+    """Self-attention with `h` heads of size `head_dim` (default d_model // h; h * head_dim may differ from d_model).
+
+    forward(x, key_padding_mask) -> (out, weights): x (B, T, d_model); key_padding_mask (B, T) with 1 = token,
+    0 = padding; out (B, T, d_model); weights (B, h, T, T) when need_weights, else None.
+    """
+
+    def __init__(
+        self,
+        d_model: int = 512,
+        h: int = 8,
+        head_dim: int | None = None,
+        dropout: float = 0.0,
+        bias: bool = True,
+        causal: bool = False,
+    ) -> None:
+        super().__init__()
+        self.d_model = d_model
+        self.h = h
+        self.head_dim = resolve_head_dim(d_model, h, head_dim)
+        self.inner_dim = self.h * self.head_dim
+        self.dropout = dropout
+        self.causal = causal
+        self.qkv = nn.Linear(d_model, 3 * self.inner_dim, bias=bias)  # fused: [q; k; v] like nn.MultiheadAttention
+        self.out = nn.Linear(self.inner_dim, d_model, bias=bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        key_padding_mask: torch.Tensor | None = None,
+        need_weights: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).split(self.inner_dim, dim=2)  # 3 x (B, T, h*hs)
+        q = q.view(B, T, self.h, self.head_dim).transpose(1, 2)  # (B, h, T, hs)
+        k = k.view(B, T, self.h, self.head_dim).transpose(1, 2)  # (B, h, T, hs)
+        v = v.view(B, T, self.h, self.head_dim).transpose(1, 2)  # (B, h, T, hs)
+        mask = self._attention_mask(key_padding_mask, T, x.device)  # (B or 1, 1, T or 1, T) bool, True = attend
+        p = self.dropout if self.training else 0.0
+        if need_weights:
+            y, weights = self._manual_attention(q, k, v, mask, p)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)  # (B, h, T, hs)
+            weights = None
+        y = y.transpose(1, 2).reshape(B, T, self.inner_dim)  # (B, T, h*hs)
+        return self.out(y), weights
+
+    def _attention_mask(self, key_padding_mask: torch.Tensor | None, T: int, device: torch.device):
+        mask = None
+        if key_padding_mask is not None:
+            mask = key_padding_mask.to(torch.bool)[:, None, None, :]  # (B, 1, 1, T)
+        if self.causal:
+            causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()[None, None]  # (1, 1, T, T)
+            mask = causal if mask is None else mask & causal
+        return mask
+
+    def _manual_attention(self, q, k, v, mask, p: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The readable path: softmax(q k^T / sqrt(hs)) v, returning the weights (B, h, T, T) as well."""
+        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))  # (B, h, T, T)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        weights = F.softmax(scores, dim=-1)  # (B, h, T, T), rows sum to 1 over unmasked keys
+        y = F.dropout(weights, p=p) @ v  # (B, h, T, hs)
+        return y, weights
+
+    @torch.no_grad()
+    def load_from_torch(self, mha: nn.MultiheadAttention) -> MultiHeadAttention:
+        """Copy weights from a `torch.nn.MultiheadAttention` of the same shape (its in_proj is fused like ours)."""
+        if mha.embed_dim != self.d_model or mha.num_heads != self.h or self.inner_dim != self.d_model:
+            raise ValueError(
+                f"cannot load nn.MultiheadAttention(embed_dim={mha.embed_dim}, num_heads={mha.num_heads}) into "
+                f"MultiHeadAttention(d_model={self.d_model}, h={self.h}, head_dim={self.head_dim})"
+            )
+        if mha.in_proj_weight is None:
+            raise ValueError("nn.MultiheadAttention with separate q/k/v dimensions (kdim/vdim) is not supported")
+        if (mha.in_proj_bias is None) != (self.qkv.bias is None):
+            raise ValueError("bias mismatch: one layer has projection biases and the other does not")
+        self.qkv.weight.copy_(mha.in_proj_weight)  # (3E, E)
+        self.out.weight.copy_(mha.out_proj.weight)  # (E, E)
+        if self.qkv.bias is not None:
+            self.qkv.bias.copy_(mha.in_proj_bias)
+            self.out.bias.copy_(mha.out_proj.bias)
+        return self
+
+    @classmethod
+    def from_torch(cls, mha: nn.MultiheadAttention, causal: bool = False) -> MultiHeadAttention:
+        """A new layer holding the weights of `mha`."""
+        layer = cls(mha.embed_dim, mha.num_heads, dropout=mha.dropout, bias=mha.in_proj_bias is not None, causal=causal)
+        return layer.load_from_torch(mha)

@@ -1,0 +1,142 @@
+"""How to export: torch module -> ONNX file with metadata, written only after it passes the parity gate."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+import torch
+from torch import nn
+
+from export import parity
+from export.metadata import (
+    ATTENTION_MASK,
+    ATTENTION_MODEL_FILE,
+    ATTENTION_WEIGHTS,
+    CONFIG_FILE,
+    INPUT_IDS,
+    LOGITS,
+    MODEL_FILE,
+    ModelMetadata,
+)
+
+DEFAULT_ONNX_OPSET = 20
+EXTERNAL_DATA_THRESHOLD = 1 << 30  # 1 GiB: larger models keep weights in model.onnx.data (protobuf caps at 2 GiB)
+TRACE_SHAPE = (2, 8)  # (batch, seq) traced; the gate checks other shapes
+
+
+class ExportError(RuntimeError):
+    """The exporter failed, or the model does not follow the input/output contract."""
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    name: str
+    folder: Path
+    params: int
+    file_bytes: int
+    max_diff: float
+    seconds: float
+    metadata: ModelMetadata
+
+
+def exporter_versions() -> dict[str, str]:
+    from importlib.metadata import version
+
+    return {"torch": torch.__version__, "onnx": onnx.__version__, "opset": str(DEFAULT_ONNX_OPSET),
+            "mha_serving": version("mha-serving")}
+
+
+def _to_onnx(module: nn.Module, meta: ModelMetadata, path: Path, output_names: list[str]) -> None:
+    batch = torch.export.Dim("batch", min=1, max=65536)
+    seq = torch.export.Dim("seq", min=1, max=meta.max_len)
+    ids = torch.randint(4, meta.vocab_size, TRACE_SHAPE, dtype=torch.int64)
+    mask = torch.ones(TRACE_SHAPE, dtype=torch.int64)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(
+            module,
+            (ids, mask),
+            dynamo=True,
+            input_names=[INPUT_IDS, ATTENTION_MASK],
+            output_names=output_names,
+            dynamic_shapes={"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}},
+            opset_version=DEFAULT_ONNX_OPSET,
+            optimize=True,
+            verbose=False,
+        )
+    if program is None:
+        raise ExportError(f"torch.onnx.export returned nothing for {meta.name}")
+    program.save(str(path))
+
+
+def _write_metadata(path: Path, meta: ModelMetadata, expected_outputs: list[str]) -> None:
+    model = onnx.load(str(path))
+    inputs = [i.name for i in model.graph.input]
+    outputs = [o.name for o in model.graph.output]
+    if inputs != [INPUT_IDS, ATTENTION_MASK] or outputs != expected_outputs:
+        raise ExportError(
+            f"model does not follow the contract: inputs {inputs} (want {[INPUT_IDS, ATTENTION_MASK]}), "
+            f"outputs {outputs} (want {expected_outputs})"
+        )
+    del model.metadata_props[:]
+    for key, value in meta.to_props().items():
+        model.metadata_props.add(key=key, value=value)
+    model.producer_name = "mha-serving"
+    large = model.ByteSize() > EXTERNAL_DATA_THRESHOLD
+    onnx.save_model(model, str(path), save_as_external_data=large, location=path.name + ".data" if large else None)
+    onnx.checker.check_model(str(path), full_check=True)
+
+
+def export_model(
+    model: nn.Module,
+    meta: ModelMetadata,
+    out_dir: Path,
+    *,
+    attention_variant: nn.Module | None = None,
+    atol: float = 1e-4,
+    overwrite: bool = True,
+) -> ExportResult:
+    """Export `model` to `out_dir/<meta.name>/` (model.onnx, config.json; model.attn.onnx with a variant).
+
+    Everything is built in a temporary folder beside the target and moved into place only after the parity gate
+    passes, so a failed export never leaves a half-written model folder behind.
+    """
+    start = time.perf_counter()
+    out_dir = Path(out_dir)
+    target = out_dir / meta.name
+    if target.exists() and not overwrite:
+        raise ExportError(f"{target} exists; pass overwrite=True (or --force) to replace it")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{meta.name}.", dir=out_dir))
+        staging.chmod(0o755)  # mkdtemp makes it private; a model folder is meant to be read by a server
+    except OSError as exc:
+        raise ExportError(f"cannot write to output folder {out_dir}: {exc.strerror or exc}") from exc
+    try:
+        model = model.eval()
+        _to_onnx(model, meta, staging / MODEL_FILE, [LOGITS])
+        _write_metadata(staging / MODEL_FILE, meta, [LOGITS])
+        max_diff = parity.check(model, staging / MODEL_FILE, meta, atol=atol)
+        if attention_variant is not None:
+            attention_variant = attention_variant.eval()
+            _to_onnx(attention_variant, meta, staging / ATTENTION_MODEL_FILE, [LOGITS, ATTENTION_WEIGHTS])
+            _write_metadata(staging / ATTENTION_MODEL_FILE, meta, [LOGITS, ATTENTION_WEIGHTS])
+            max_diff = max(max_diff, parity.check(attention_variant, staging / ATTENTION_MODEL_FILE, meta, atol=atol))
+        params = sum(p.numel() for p in model.parameters())
+        (staging / CONFIG_FILE).write_text(json.dumps({**meta.to_json(), "params": params}, indent=2) + "\n")
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    file_bytes = sum(f.stat().st_size for f in target.iterdir() if f.name.startswith(MODEL_FILE))
+    return ExportResult(meta.name, target, params, file_bytes, max_diff, time.perf_counter() - start, meta)

@@ -1,0 +1,129 @@
+"""The contract between export and serving: a model's head configuration, its name, and its ONNX metadata.
+
+Torch-free on purpose: `service/` reads ONNX files through this module and must never import torch.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+
+SCHEMA_VERSION = "1"
+TOKENIZER_KINDS = ("byte-v1", "ids")  # "ids": the model takes token ids only, no text
+
+# Fixed by the contract (architecture.md): inputs and output by name, dtype and rank.
+INPUT_IDS = "input_ids"
+ATTENTION_MASK = "attention_mask"
+LOGITS = "logits"
+ATTENTION_WEIGHTS = "attention_weights"  # only in the attention variant of a model
+MODEL_FILE = "model.onnx"
+ATTENTION_MODEL_FILE = "model.attn.onnx"
+CONFIG_FILE = "config.json"
+_OPTIONAL_KEYS = ("tokenizer", "ff_dim", "task", "exporter")  # have defaults; every other key is required
+
+
+class MetadataError(ValueError):
+    """An ONNX file's metadata is missing a key, holds a malformed value, or contradicts itself."""
+
+
+def config_name(heads: int, d_model: int, head_dim: int | None = None, prefix: str = "mha") -> str:
+    """The one spelling of a head configuration's name: folder, Serve deployment and metric label.
+
+    `mha-h8-d512` when head_dim is the default d_model // heads, else `mha-h3-d512-hd64`.
+    """
+    if heads < 1 or d_model < 1:
+        raise ValueError(f"heads and d_model must be >= 1, got heads={heads}, d_model={d_model}")
+    name = f"{prefix}-h{heads}-d{d_model}"
+    if head_dim is not None and head_dim * heads != d_model:
+        name += f"-hd{head_dim}"
+    return name
+
+
+@dataclass(frozen=True)
+class ModelMetadata:
+    """Everything a server needs to know about one exported model, read from the file itself."""
+
+    name: str
+    heads: int
+    head_dim: int
+    d_model: int
+    layers: int
+    vocab_size: int
+    max_len: int
+    num_classes: int
+    labels: tuple[str, ...]
+    tokenizer: str = "byte-v1"
+    ff_dim: int = 0  # 0: unknown (a user's own model)
+    task: str = ""
+    exporter: dict[str, str] = field(default_factory=dict)  # versions: torch, onnx, opset, mha_serving
+
+    def __post_init__(self) -> None:
+        problems = []
+        for key in ("heads", "head_dim", "d_model", "layers", "vocab_size", "max_len", "num_classes"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                problems.append(f"{key}={value!r} must be an integer >= 1")
+        if len(self.labels) != self.num_classes:
+            problems.append(f"{len(self.labels)} labels for num_classes={self.num_classes}")
+        if self.tokenizer not in TOKENIZER_KINDS:
+            problems.append(f"tokenizer={self.tokenizer!r} is not one of {TOKENIZER_KINDS}")
+        if not self.name or "/" in self.name or self.name.startswith("."):
+            problems.append(f"name={self.name!r} is not a valid model name")
+        if problems:
+            raise MetadataError("inconsistent model metadata: " + "; ".join(problems))
+
+    @property
+    def attention_dim(self) -> int:
+        """h * head_dim: the width of q, k and v (may differ from d_model when head_dim is explicit)."""
+        return self.heads * self.head_dim
+
+    def to_props(self) -> dict[str, str]:
+        """As ONNX `metadata_props` (string to string)."""
+        props = {"mha_serving.schema": SCHEMA_VERSION}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "labels":
+                props[f.name] = json.dumps(list(value))
+            elif f.name == "exporter":
+                props[f.name] = json.dumps(dict(value), sort_keys=True)
+            else:
+                props[f.name] = str(value)
+        return props
+
+    @classmethod
+    def from_props(cls, props: dict[str, str]) -> ModelMetadata:
+        """Parse and check ONNX `metadata_props`; MetadataError names the first key that is wrong."""
+        schema = props.get("mha_serving.schema")
+        if schema != SCHEMA_VERSION:
+            raise MetadataError(
+                f"metadata key 'mha_serving.schema' is {schema!r}, expected {SCHEMA_VERSION!r}: "
+                "was this file exported by `mha-serving export`?"
+            )
+        values: dict[str, object] = {}
+        for f in fields(cls):
+            if f.name not in props:
+                if f.name in _OPTIONAL_KEYS:
+                    continue
+                raise MetadataError(f"metadata key {f.name!r} is missing")
+            raw = props[f.name]
+            try:
+                if f.name == "labels":
+                    labels = json.loads(raw)
+                    if not isinstance(labels, list) or not all(isinstance(x, str) for x in labels):
+                        raise ValueError("not a JSON list of strings")
+                    values[f.name] = tuple(labels)
+                elif f.name == "exporter":
+                    values[f.name] = {str(k): str(v) for k, v in json.loads(raw).items()}
+                elif f.type in ("int", int):
+                    values[f.name] = int(raw)
+                else:
+                    values[f.name] = raw
+            except (ValueError, AttributeError) as exc:
+                raise MetadataError(f"metadata key {f.name!r} has a malformed value {raw!r}: {exc}") from exc
+        return cls(**values)  # type: ignore[arg-type]
+
+    def to_json(self) -> dict[str, object]:
+        """The human-readable form written next to the model as config.json (and served by the API)."""
+        out = asdict(self)
+        out["labels"] = list(self.labels)
+        return out

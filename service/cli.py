@@ -1,0 +1,49 @@
+"""The `mha-serving` console script: one subcommand per job, each parsed by its own module's `main(argv)`.
+
+Subcommand modules are imported only when chosen, so `serve` and `loadtest` never import torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# subcommand -> (module with `main(argv) -> int`, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "export": ("export.cli", "export head configurations to ONNX (needs the `export` extra: torch)"),
+    "serve": ("service.launcher", "serve exported models with Ray Serve on an embedded local Ray"),
+    "up": ("service.up", "export the default head configurations if missing, then serve them"),
+    "loadtest": ("loadtest.cli", "bounded load against a running service, per head configuration"),
+}
+
+
+def _usage() -> str:
+    width = max(len(name) for name in SUBCOMMANDS)
+    lines = ["usage: mha-serving <command> [options]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
+    lines += ["", "`mha-serving <command> --help` shows a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    command, rest = args[0], args[1:]
+    if command not in SUBCOMMANDS:
+        print(f"mha-serving: unknown command {command!r}; choose from {', '.join(SUBCOMMANDS)}", file=sys.stderr)
+        return 2
+    module_name, _ = SUBCOMMANDS[command]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or "a dependency"
+        hint = " (install the export extra: pip install -e '.[export]')" if missing == "torch" else ""
+        print(f"mha-serving {command}: cannot start, {missing!r} is not installed{hint}", file=sys.stderr)
+        return 2
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
