@@ -50,8 +50,12 @@ class ExportResult:
 def exporter_versions() -> dict[str, str]:
     from importlib.metadata import version
 
-    return {"torch": torch.__version__, "onnx": onnx.__version__, "opset": str(DEFAULT_ONNX_OPSET),
-            "mha_serving": version("mha-serving")}
+    return {
+        "torch": torch.__version__,
+        "onnx": onnx.__version__,
+        "opset": str(DEFAULT_ONNX_OPSET),
+        "mha_serving": version("mha-serving"),
+    }
 
 
 def _to_onnx(module: nn.Module, meta: ModelMetadata, path: Path, output_names: list[str]) -> None:

@@ -126,7 +126,7 @@ class EncoderClassifier(nn.Module):
 
     def forward_with_attention(self, input_ids, attention_mask, need_weights: bool = True):
         """logits (B, C) and, when need_weights, per-layer weights stacked as (B, layers, h, T, T)."""
-        B, T = input_ids.shape
+        T = input_ids.shape[1]
         pos = torch.arange(T, device=input_ids.device)  # (T,)
         x = self.drop(self.tok_emb(input_ids) + self.pos_emb(pos)[None])  # (B, T, d_model)
         all_weights = []
