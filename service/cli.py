@@ -14,6 +14,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("service.launcher", "serve exported models with Ray Serve on an embedded local Ray"),
     "up": ("service.up", "export the default head configurations if missing, then serve them"),
     "loadtest": ("loadtest.cli", "bounded load against a running service, per head configuration"),
+    "train": ("export.train_cli", "train one head configuration on a built-in task and export it (needs torch)"),
+    "sweep": ("export.sweep", "train and compare head counts: quality versus latency per h (needs torch)"),
+    "attention": ("export.attention_map", "per-layer, per-head attention maps of a model on a text, as a PNG"),
 }
 
 
