@@ -1,0 +1,226 @@
+"""`mha-serving loadtest`: bounded load per head configuration against a running service, or `--compare A B`.
+
+Exit status: 0 all levels measured, 1 some model or level failed, 2 bad input or unreachable service, 130 Ctrl-C.
+A report (possibly partial) is written whenever the arguments parse.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import signal
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import httpx
+
+from loadtest import server_metrics
+from loadtest.compare import run_compare
+from loadtest.discovery import (
+    DiscoveryError,
+    ModelInfo,
+    RemoteURLError,
+    check_loopback,
+    discover,
+    select_models,
+    wait_ready,
+)
+from loadtest.plots import write_plots
+from loadtest.progress import Progress
+from loadtest.report import ReportError, build_report, write_report
+from loadtest.runner import Level, Limits
+from loadtest.session import Outcome, Plan, run_session
+from loadtest.workload import PROTOCOLS, SeqLenSpec, WorkloadError, read_texts
+
+PROG = "mha-serving loadtest"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the service's base URL (loopback unless allowed)")
+    p.add_argument("--allow-remote", action="store_true", help="allow a URL that is not a loopback address")
+    p.add_argument("--models", default="all", help="`all` or a comma-separated list of model names")
+    p.add_argument(
+        "--concurrency", default="1,8,32", help="closed-loop concurrency levels, comma-separated ('' for none)"
+    )
+    p.add_argument("--rate", default="", help="open-loop Poisson arrival rates in requests/s, comma-separated")
+    p.add_argument("--duration", type=float, default=20.0, help="seconds measured per level (after warm-up)")
+    p.add_argument("--max-requests", type=int, default=20000, help="at most this many requests per level")
+    p.add_argument("--warmup", type=float, default=2.0, help="seconds of unmeasured load before each level")
+    p.add_argument("--seq-len", default="fixed:32", help="fixed:N | uniform:LO:HI (tokens, BOS included) | file:PATH")
+    p.add_argument("--batch-size", type=int, default=1, help="sequences per request")
+    p.add_argument("--protocol", default="simple", choices=PROTOCOLS, help="simple JSON or Open Inference v2")
+    p.add_argument("--timeout", type=float, default=30.0, help="per-request timeout in seconds")
+    p.add_argument("--max-outstanding", type=int, default=256, help="open loop: cap on requests in flight")
+    p.add_argument("--ready-timeout", type=float, default=30.0, help="seconds to wait for a model to be ready")
+    p.add_argument("--metrics-url", default="", help="the service's Prometheus URL: adds server-side percentiles")
+    p.add_argument("--metrics-name", default=server_metrics.DEFAULT_METRIC, help="server-side latency histogram")
+    p.add_argument("--metrics-wait", type=float, default=20.0, help="seconds to wait for delayed metric exports")
+    p.add_argument("--seed", type=int, default=0, help="seed for texts and arrival times")
+    p.add_argument("--out", default="", help="report folder (default reports/<UTC timestamp>/)")
+    p.add_argument("--quiet", action="store_true", help="no live progress line")
+    p.add_argument("--compare", nargs=2, metavar=("A", "B"), help="compare two reports (folders or report.json)")
+    return p
+
+
+def _numbers(text: str, flag: str, kind: type) -> list:
+    try:
+        values = [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} {text!r} is not a comma-separated list of numbers") from None
+    if any(v <= 0 for v in values):
+        raise ValueError(f"{flag} {text!r}: every value must be > 0")
+    return values
+
+
+def _levels(args: argparse.Namespace) -> tuple[Level, ...]:
+    levels = [Level("closed", c) for c in _numbers(args.concurrency, "--concurrency", int)]
+    levels += [Level("open", r) for r in _numbers(args.rate, "--rate", float)]
+    if not levels:
+        raise ValueError("nothing to run: give --concurrency and/or --rate")
+    return tuple(levels)
+
+
+def _limits(args: argparse.Namespace) -> Limits:
+    for flag, value in (("--duration", args.duration), ("--max-requests", args.max_requests)):
+        if value <= 0:
+            raise ValueError(f"{flag} must be > 0, got {value}")
+    for flag, value in (("--timeout", args.timeout), ("--max-outstanding", args.max_outstanding)):
+        if value <= 0:
+            raise ValueError(f"{flag} must be > 0, got {value}")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
+    return Limits(args.duration, args.max_requests, args.warmup, args.timeout, args.max_outstanding)
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def _meta(args: argparse.Namespace, argv: list[str], limits: Limits, levels: tuple[Level, ...]) -> dict:
+    return {
+        "tool": PROG,
+        "argv": argv,
+        "url": args.url,
+        "started_at": _now(),
+        "protocol": args.protocol,
+        "seq_len": args.seq_len,
+        "batch_size": args.batch_size,
+        "limits": asdict(limits),
+        "planned_levels": [lv.label for lv in levels],
+        "metrics_url": args.metrics_url,
+        "metrics_name": args.metrics_name if args.metrics_url else "",
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "models": [],
+    }
+
+
+def _finish(out: Path, meta: dict, outcome: Outcome, message: str) -> str:
+    """Write the report with its status; returns the status."""
+    measured = any(r.ok > 0 for r in outcome.results)
+    if outcome.interrupted:
+        status = "interrupted"
+    elif outcome.failures or message:
+        status = "partial" if measured else "failed"
+    else:
+        status = "complete"
+    meta |= {"status": status, "message": message or "; ".join(outcome.failures), "finished_at": _now()}
+    meta["measured"] = f"{len(outcome.results)} level(s), {sum(r.ok for r in outcome.results)} successful requests"
+    report = build_report(meta, outcome.results, outcome.notes)
+    write_report(out, report, outcome.results, write_plots(outcome.results, out))
+    return status
+
+
+def _discover(args: argparse.Namespace, base_url: str, outcome: Outcome) -> list[ModelInfo]:
+    with httpx.Client(timeout=10.0, trust_env=False) as client:
+        models = select_models(discover(client, base_url), args.models)
+        ready = []
+        for m in models:
+            if m.ready or wait_ready(client, base_url, m.name, args.ready_timeout):
+                ready.append(m)
+            else:
+                outcome.failures.append(f"{m.name}: not ready after {args.ready_timeout:g} s; skipped")
+    if not ready:
+        raise DiscoveryError("none of the selected models is ready: " + "; ".join(outcome.failures))
+    return ready
+
+
+async def _drive(plan: Plan, outcome: Outcome, progress: Progress) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_sigint() -> None:
+        progress.note("interrupted: finishing in-flight requests and writing the report (Ctrl-C again to abort)")
+        stop.set()
+        loop.remove_signal_handler(signal.SIGINT)
+
+    loop.add_signal_handler(signal.SIGINT, on_sigint)
+    try:
+        await run_session(plan, outcome, stop, progress)
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"{PROG}: {message}", file=sys.stderr)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = _parser().parse_args(argv)
+    if args.compare:
+        try:
+            print(run_compare(Path(args.compare[0]), Path(args.compare[1]), Path(args.out) if args.out else None))
+        except ReportError as exc:
+            return _fail(str(exc), 2)
+        return 0
+    try:
+        levels, limits = _levels(args), _limits(args)
+        seq_len = SeqLenSpec.parse(args.seq_len)
+        if seq_len.kind == "file":
+            read_texts(seq_len.path)
+        if args.batch_size < 1:
+            raise WorkloadError(f"--batch-size must be >= 1, got {args.batch_size}")
+        base_url = check_loopback(args.url, args.allow_remote)
+        if args.metrics_url:
+            check_loopback(args.metrics_url, args.allow_remote)
+    except (ValueError, RemoteURLError) as exc:
+        return _fail(str(exc), 2)
+    out = Path(args.out or f"reports/{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
+    meta, outcome, progress = _meta(args, argv, limits, levels), Outcome(), Progress(quiet=args.quiet)
+    try:
+        models = _discover(args, base_url, outcome)
+    except DiscoveryError as exc:
+        _finish(out, meta, outcome, f"nothing measured: {exc}")
+        return _fail(f"{exc} (report: {out})", 2)
+    meta["models"] = [m.to_json() for m in models]
+    plan = Plan(
+        base_url=base_url,
+        models=tuple(models),
+        levels=levels,
+        limits=limits,
+        seq_len=seq_len,
+        batch_size=args.batch_size,
+        protocol=args.protocol,
+        metrics_url=args.metrics_url,
+        metrics_name=args.metrics_name,
+        metrics_wait_s=args.metrics_wait,
+        seed=args.seed,
+    )
+    try:
+        asyncio.run(_drive(plan, outcome, progress))
+    except KeyboardInterrupt:
+        outcome.interrupted = True
+    status = _finish(out, meta, outcome, "")
+    print(f"report: {out / 'report.md'} ({status}: {meta['measured']})")
+    if status == "interrupted":
+        return _fail(f"interrupted; wrote what was measured so far to {out}", 130)
+    if outcome.failures:
+        more = f" (+{len(outcome.failures) - 1} more, see the report)" if len(outcome.failures) > 1 else ""
+        return _fail(outcome.failures[0] + more, 1)
+    return 0

@@ -1,0 +1,90 @@
+"""Two reports side by side (A = before, B = after): each model and level found in both, with ratios B / A."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from loadtest.report import load_report
+from loadtest.stats import LevelResult
+
+METRICS = ("p50", "p99", "throughput_rps")
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One (model, level) in both reports: each metric's values in A and B and the ratio B / A."""
+
+    model: str
+    heads: int
+    level: str
+    values: dict[str, tuple[float, float, float]]  # metric -> (A, B, B / A)
+
+
+def _value(r: LevelResult, metric: str) -> float:
+    return r.throughput_rps if metric == "throughput_rps" else r.latency_ms.get(metric, math.nan)
+
+
+def ratio(a: float, b: float) -> float:
+    """B / A; nan when A is zero or either is missing."""
+    if math.isnan(a) or math.isnan(b) or a == 0:
+        return math.nan
+    return b / a
+
+
+def compare(a: list[LevelResult], b: list[LevelResult]) -> tuple[list[Comparison], list[str]]:
+    """Matched rows (in A's order) and the (model, level) keys present in only one report."""
+    index_b = {(r.model, r.level): r for r in b}
+    keys_a = {(r.model, r.level) for r in a}
+    rows = []
+    for ra in a:
+        rb = index_b.get((ra.model, ra.level))
+        if rb is None:
+            continue
+        values = {}
+        for metric in METRICS:
+            va, vb = _value(ra, metric), _value(rb, metric)
+            values[metric] = (va, vb, ratio(va, vb))
+        rows.append(Comparison(ra.model, ra.heads, ra.level, values))
+    only = [f"only in A: {m} {lv}" for m, lv in keys_a - index_b.keys()]
+    only += [f"only in B: {m} {lv}" for m, lv in index_b.keys() - keys_a]
+    return rows, sorted(only)
+
+
+def _fmt(x: float, digits: int = 2) -> str:
+    return "-" if math.isnan(x) else f"{x:.{digits}f}"
+
+
+def markdown(rows: list[Comparison], only: list[str], label_a: str, label_b: str) -> str:
+    lines = ["# Load test comparison", "", f"- A: {label_a}", f"- B: {label_b}", "- ratio: B / A", ""]
+    headers = ["model", "h", "level"]
+    for metric in METRICS:
+        name = "req/s" if metric == "throughput_rps" else f"{metric} ms"
+        headers += [f"A {name}", f"B {name}", f"{metric} B/A"]
+    lines += ["| " + " | ".join(headers) + " |", "|" + " --- |" * len(headers)]
+    for row in rows:
+        cells = [row.model, str(row.heads), row.level]
+        for metric in METRICS:
+            a, b, r = row.values[metric]
+            cells += [_fmt(a, 1), _fmt(b, 1), _fmt(r)]
+        lines.append("| " + " | ".join(cells) + " |")
+    if not rows:
+        lines.append("\nNo model and level is in both reports.")
+    lines += [f"- {o}" for o in ([""] if only else []) + only if o]
+    return "\n".join(lines) + "\n"
+
+
+def run_compare(path_a: Path, path_b: Path, out_dir: Path | None) -> str:
+    """Load both reports, compare them, write compare.md and compare.json to out_dir if given; returns the Markdown."""
+    _, a = load_report(path_a)
+    _, b = load_report(path_b)
+    rows, only = compare(a, b)
+    text = markdown(rows, only, str(path_a), str(path_b))
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "compare.md").write_text(text, encoding="utf-8")
+        data = [{"model": r.model, "heads": r.heads, "level": r.level, "values": r.values} for r in rows]
+        (out_dir / "compare.json").write_text(json.dumps({"rows": data, "unmatched": only}, indent=2) + "\n")
+    return text

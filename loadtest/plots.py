@@ -1,0 +1,107 @@
+"""The report's PNG plots (matplotlib, Agg): latency versus h, throughput versus concurrency, latency-throughput."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+from loadtest.stats import LevelResult
+
+
+def _measured(results: list[LevelResult]) -> list[LevelResult]:
+    return [r for r in results if r.latency_ms]
+
+
+def _series_name(r: LevelResult) -> str:
+    return f"h={r.heads} ({r.model})"
+
+
+def latency_vs_heads(results: list[LevelResult], path: Path) -> bool:
+    """One panel per load level: p50/p90/p99 against the number of heads."""
+    measured = _measured(results)
+    levels = list(dict.fromkeys(r.level for r in measured))
+    if not levels:
+        return False
+    fig, axes = plt.subplots(1, len(levels), figsize=(4.2 * len(levels), 3.6), squeeze=False, sharey=True)
+    for ax, level in zip(axes[0], levels, strict=True):
+        rows = sorted((r for r in measured if r.level == level), key=lambda r: (r.heads, r.model))
+        heads = [r.heads for r in rows]
+        for key, style in (("p50", "o-"), ("p90", "s--"), ("p99", "^:")):
+            ax.plot(heads, [r.latency_ms[key] for r in rows], style, label=key)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted(set(heads)), [str(h) for h in sorted(set(heads))])
+        ax.set_title(level)
+        ax.set_xlabel("heads h")
+        ax.grid(True, alpha=0.3)
+    axes[0][0].set_ylabel("client latency (ms)")
+    axes[0][0].legend()
+    fig.suptitle("Latency percentiles versus h")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def throughput_vs_concurrency(results: list[LevelResult], path: Path) -> bool:
+    """Closed-loop throughput against concurrency, one line per head configuration."""
+    closed = [r for r in _measured(results) if r.mode == "closed"]
+    if not closed:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in dict.fromkeys(_series_name(r) for r in sorted(closed, key=lambda r: r.heads)):
+        rows = sorted((r for r in closed if _series_name(r) == name), key=lambda r: r.concurrency)
+        ax.plot([r.concurrency for r in rows], [r.throughput_rps for r in rows], "o-", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrency (closed loop)")
+    ax.set_ylabel("throughput (requests/s)")
+    ax.set_title("Throughput versus concurrency per h")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def latency_throughput(results: list[LevelResult], path: Path) -> bool:
+    """p50 and p99 against achieved throughput per h: closed-loop levels by concurrency, open-loop levels by rate."""
+    measured = _measured(results)
+    if not measured:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharex=True)
+    names = list(dict.fromkeys(_series_name(r) for r in sorted(measured, key=lambda r: r.heads)))
+    for ax, key in zip(axes, ("p50", "p99"), strict=True):
+        for i, name in enumerate(names):
+            for mode, style in (("closed", "o-"), ("open", "s:")):
+                rows = [r for r in measured if _series_name(r) == name and r.mode == mode]
+                rows.sort(key=lambda r: (r.concurrency, r.offered_rate))
+                if rows:
+                    x, y = [r.throughput_rps for r in rows], [r.latency_ms[key] for r in rows]
+                    ax.plot(x, y, style, color=f"C{i % 10}", label=f"{name}, {mode} loop")
+        ax.set_xlabel("throughput (requests/s)")
+        ax.set_ylabel(f"client {key} latency (ms)")
+        ax.grid(True, alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle("Latency versus throughput per h")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def write_plots(results: list[LevelResult], out_dir: Path) -> list[str]:
+    """Write every plot that has data; returns the file names written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, draw in (
+        ("latency_vs_heads.png", latency_vs_heads),
+        ("throughput_vs_concurrency.png", throughput_vs_concurrency),
+        ("latency_throughput.png", latency_throughput),
+    ):
+        if draw(results, out_dir / name):
+            written.append(name)
+    return written

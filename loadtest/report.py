@@ -1,0 +1,121 @@
+"""Writing and reading a run's report: report.json (everything), report.csv (one row per level), report.md (tables)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+from loadtest.stats import LevelResult
+
+REPORT_VERSION = 1
+LATENCY_KEYS = ("p50", "p90", "p95", "p99", "max", "mean")
+SERVER_KEYS = ("count", "p50", "p90", "p95", "p99")
+CSV_COLUMNS = (
+    ["model", "heads", "head_dim", "d_model", "mode", "level", "concurrency", "offered_rate", "achieved_rate"]
+    + ["batch_size", "duration_s", "sent", "ok", "errors_total", "errors", "dropped", "throughput_rps"]
+    + ["sequences_per_s"]
+    + [f"{k}_ms" for k in LATENCY_KEYS]
+    + ["send_lag_p99_ms", "stopped_by"]
+    + [f"server_{k}" + ("" if k == "count" else "_ms") for k in SERVER_KEYS]
+)
+
+
+class ReportError(ValueError):
+    """A path that does not hold a report.json this tool can read."""
+
+
+def build_report(meta: dict[str, object], results: list[LevelResult], notes: list[str]) -> dict[str, object]:
+    """The report as one JSON-ready dict: run settings and status (`meta`), a record per level, notes."""
+    return {"version": REPORT_VERSION, **meta, "levels": [r.to_json() for r in results], "notes": list(notes)}
+
+
+def csv_row(r: LevelResult) -> dict[str, object]:
+    row: dict[str, object] = {k: getattr(r, k) for k in ("model", "heads", "head_dim", "d_model", "mode")}
+    row |= {"level": r.level, "concurrency": r.concurrency, "offered_rate": r.offered_rate}
+    row |= {"achieved_rate": round(r.achieved_rate, 3), "batch_size": r.batch_size, "duration_s": r.duration_s}
+    row |= {"sent": r.sent, "ok": r.ok, "errors_total": sum(r.errors.values()), "dropped": r.dropped}
+    row["errors"] = ";".join(f"{k}:{n}" for k, n in sorted(r.errors.items()))
+    row |= {"throughput_rps": r.throughput_rps, "sequences_per_s": r.sequences_per_s}
+    row |= {f"{k}_ms": r.latency_ms.get(k, "") for k in LATENCY_KEYS}
+    row |= {"send_lag_p99_ms": r.send_lag_p99_ms, "stopped_by": r.stopped_by}
+    row |= {f"server_{k}" + ("" if k == "count" else "_ms"): r.server.get(k, "") for k in SERVER_KEYS}
+    return row
+
+
+def _cell(value: object) -> str:
+    if isinstance(value, float):
+        return "-" if math.isnan(value) else f"{value:.1f}" if value >= 100 else f"{value:.2f}"
+    return "-" if value in ("", None) else str(value)
+
+
+def _table(headers: list[str], rows: list[list[object]]) -> list[str]:
+    lines = ["| " + " | ".join(headers) + " |", "|" + " --- |" * len(headers)]
+    return lines + ["| " + " | ".join(_cell(v) for v in row) + " |" for row in rows]
+
+
+def level_rows(results: list[LevelResult], with_server: bool) -> tuple[list[str], list[list[object]]]:
+    """The main table: one row per model and level, client-side (and server-side) latency side by side."""
+    headers = ["model", "h", "head_dim", "level", "ok", "errors", "req/s", "seq/s"]
+    headers += ["p50 ms", "p90 ms", "p95 ms", "p99 ms", "max ms"]
+    if any(r.mode == "open" for r in results):
+        headers += ["offered/s", "achieved/s", "dropped"]
+    if with_server:
+        headers += ["server n", "server p50 ms", "server p99 ms"]
+    rows = []
+    for r in results:
+        lat = r.latency_ms
+        row: list[object] = [r.model, r.heads, r.head_dim, r.level, r.ok, sum(r.errors.values())]
+        row += [r.throughput_rps, r.sequences_per_s] + [lat.get(k, "") for k in ("p50", "p90", "p95", "p99", "max")]
+        if "offered/s" in headers:
+            row += [r.offered_rate or "", r.achieved_rate, r.dropped] if r.mode == "open" else ["", "", ""]
+        if with_server:
+            row += [r.server.get("count", ""), r.server.get("p50", ""), r.server.get("p99", "")]
+        rows.append(row)
+    return headers, rows
+
+
+def markdown(report: dict[str, object], results: list[LevelResult], plots: list[str]) -> str:
+    """report.md: settings, status, the per-level table, errors with an example message, notes, plots."""
+    lines = ["# Load test report", ""]
+    for key in ("status", "message", "url", "started_at", "finished_at", "protocol", "seq_len", "batch_size"):
+        lines.append(f"- {key}: {report.get(key, '')}")
+    lines.append(f"- per level: {report.get('limits', '')}")
+    lines += ["", "## Per model and load level", ""]
+    if results:
+        headers, rows = level_rows(results, with_server=any("count" in r.server for r in results))
+        lines += _table(headers, rows)
+    else:
+        lines.append("Nothing was measured.")
+    errors = [[r.model, r.level, k, n, r.error_examples.get(k, "")] for r in results for k, n in r.errors.items()]
+    if errors:
+        lines += ["", "## Errors", "", *_table(["model", "level", "status", "count", "example"], errors)]
+    if report.get("notes"):
+        lines += ["", "## Notes", "", *(f"- {n}" for n in report["notes"])]  # type: ignore[union-attr]
+    if plots:
+        lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(out_dir: Path, report: dict[str, object], results: list[LevelResult], plots: list[str]) -> None:
+    """Write report.json, report.csv and report.md into out_dir (created if needed)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "report.json").write_text(json.dumps(report, indent=2, sort_keys=False) + "\n", encoding="utf-8")
+    with (out_dir / "report.csv").open("w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        writer.writeheader()
+        writer.writerows(csv_row(r) for r in results)
+    (out_dir / "report.md").write_text(markdown(report, results, plots), encoding="utf-8")
+
+
+def load_report(path: Path) -> tuple[dict[str, object], list[LevelResult]]:
+    """A report from its folder or its report.json, and its levels as LevelResults."""
+    file = path / "report.json" if path.is_dir() else path
+    try:
+        report = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ReportError(f"{path}: not a readable load-test report ({exc})") from None
+    if not isinstance(report, dict) or not isinstance(report.get("levels"), list):
+        raise ReportError(f"{file}: has no 'levels' list; is it a report.json written by `mha-serving loadtest`?")
+    return report, [LevelResult.from_json(level) for level in report["levels"]]

@@ -1,0 +1,233 @@
+"""One model at one load level: closed loop (N workers back to back) or open loop (Poisson arrivals at a rate).
+
+Open-loop latency runs from each request's scheduled send time, so a slow server cannot slow the arrivals down and
+hide its own queueing (no coordinated omission); arrivals beyond the outstanding cap are dropped and counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import httpx
+
+from loadtest.discovery import ModelInfo
+from loadtest.stats import LevelResult, latency_summary, percentile
+from loadtest.workload import RequestBody
+
+_HEADERS = {"content-type": "application/json"}
+ABORT_AFTER = 20  # a level whose first ABORT_AFTER requests all fail is stopped early
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds on every level: time, request count, warm-up, per-request timeout, open-loop outstanding cap."""
+
+    duration_s: float
+    max_requests: int
+    warmup_s: float = 2.0
+    timeout_s: float = 30.0
+    max_outstanding: int = 256
+
+
+@dataclass(frozen=True)
+class Level:
+    """A load level: `closed` with `value` workers, or `open` at `value` requests per second."""
+
+    mode: str
+    value: float
+
+    @property
+    def label(self) -> str:
+        return f"c={int(self.value)}" if self.mode == "closed" else f"rate={self.value:g}/s"
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where requests for one model go and the bodies they carry (cycled)."""
+
+    model: ModelInfo
+    url: str
+    bodies: tuple[RequestBody, ...]
+    batch_size: int
+
+
+class Recorder:
+    """The running tally of one phase; also decides when the phase must stop sending."""
+
+    def __init__(self, duration_s: float, max_requests: int, stop: asyncio.Event):
+        self.start = time.perf_counter()
+        self.deadline = self.start + duration_s
+        self.max_requests = max_requests
+        self.stop = stop
+        self.sent = self.ok = self.sequences = self.dropped = 0
+        self.latencies: list[float] = []
+        self.lags: list[float] = []
+        self.errors: Counter[str] = Counter()
+        self.examples: dict[str, str] = {}
+        self.last_done = self.start
+        self.stopped_by = ""
+
+    def take(self) -> bool:
+        """Reserve one send; False (and why, in stopped_by) once any bound is reached."""
+        if not self.stopped_by:
+            if self.stop.is_set():
+                self.stopped_by = "interrupted"
+            elif self.sent >= self.max_requests:
+                self.stopped_by = "max_requests"
+            elif time.perf_counter() >= self.deadline:
+                self.stopped_by = "duration"
+        if self.stopped_by:
+            return False
+        self.sent += 1
+        return True
+
+    def record(self, latency_s: float, error: str, message: str, sequences: int) -> None:
+        self.last_done = time.perf_counter()
+        if not error:
+            self.ok += 1
+            self.sequences += sequences
+            self.latencies.append(latency_s)
+            return
+        self.errors[error] += 1
+        self.examples.setdefault(error, message[:300])
+        failed = sum(self.errors.values())
+        if self.ok == 0 and failed >= ABORT_AFTER and not self.stopped_by:
+            self.stopped_by = f"aborted: the first {failed} requests all failed ({self.describe_errors()})"
+
+    def describe_errors(self) -> str:
+        return ", ".join(f"{k}: {n}" for k, n in self.errors.most_common())
+
+    def result(self, target: Target, level: Level) -> LevelResult:
+        window = max(self.last_done - self.start, 1e-9)
+        m = target.model
+        return LevelResult(
+            model=m.name,
+            heads=m.heads,
+            head_dim=m.head_dim,
+            d_model=m.d_model,
+            mode=level.mode,
+            concurrency=int(level.value) if level.mode == "closed" else 0,
+            offered_rate=level.value if level.mode == "open" else 0.0,
+            batch_size=target.batch_size,
+            duration_s=round(window, 3),
+            sent=self.sent,
+            ok=self.ok,
+            errors=dict(self.errors),
+            dropped=self.dropped,
+            throughput_rps=round(self.ok / window, 3),
+            sequences_per_s=round(self.sequences / window, 3),
+            latency_ms=latency_summary(self.latencies),
+            send_lag_p99_ms=round(percentile(self.lags, 99) * 1000, 3) if self.lags else 0.0,
+            stopped_by=self.stopped_by or "duration",
+            error_examples=dict(self.examples),
+        )
+
+
+async def post(client: httpx.AsyncClient, url: str, body: RequestBody) -> tuple[str, str]:
+    """Send one request; ("", "") on HTTP 200, else (status code or transport error name, message)."""
+    try:
+        response = await client.post(url, content=body.content, headers=_HEADERS)
+    except httpx.TimeoutException as exc:
+        return "timeout", f"{exc.__class__.__name__}: {exc}"
+    except httpx.ConnectError as exc:
+        return "connect_error", str(exc)
+    except httpx.HTTPError as exc:
+        return exc.__class__.__name__, str(exc)
+    if response.status_code == 200:
+        return "", ""
+    try:
+        message = str(response.json().get("error", response.text))
+    except (ValueError, AttributeError):
+        message = response.text
+    return str(response.status_code), message
+
+
+def poisson_schedule(rate: float, duration_s: float, max_requests: int, rng: random.Random) -> list[float]:
+    """Send times (seconds from the start) of a Poisson process at `rate`, within `duration_s`, at most max_requests."""
+    if rate <= 0:
+        raise ValueError(f"rate must be > 0 requests/s, got {rate}")
+    times: list[float] = []
+    t = rng.expovariate(rate)
+    while t < duration_s and len(times) < max_requests:
+        times.append(t)
+        t += rng.expovariate(rate)
+    return times
+
+
+async def closed_loop(client: httpx.AsyncClient, target: Target, workers: int, rec: Recorder) -> None:
+    """`workers` tasks, each sending its next request as soon as the previous one is answered."""
+    bodies = target.bodies
+
+    async def worker(k: int) -> None:
+        while rec.take():
+            body = bodies[k % len(bodies)]
+            k += workers
+            t = time.perf_counter()
+            error, message = await post(client, target.url, body)
+            rec.record(time.perf_counter() - t, error, message, body.sequences)
+
+    await asyncio.gather(*(worker(i) for i in range(workers)))
+
+
+async def open_loop(client: httpx.AsyncClient, target: Target, rate: float, cap: int, rec: Recorder, seed: int) -> None:
+    """Poisson arrivals at `rate`; latency measured from the scheduled time; arrivals over `cap` outstanding dropped."""
+    schedule = poisson_schedule(rate, rec.deadline - rec.start, rec.max_requests, random.Random(seed))
+    inflight: set[asyncio.Task] = set()
+
+    async def one(scheduled: float, body: RequestBody) -> None:
+        rec.lags.append(time.perf_counter() - scheduled)
+        error, message = await post(client, target.url, body)
+        rec.record(time.perf_counter() - scheduled, error, message, body.sequences)
+
+    try:
+        for i, at in enumerate(schedule):
+            scheduled = rec.start + at
+            delay = scheduled - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if len(inflight) >= cap:
+                rec.dropped += 1
+                continue
+            if not rec.take():
+                break
+            task = asyncio.create_task(one(scheduled, target.bodies[i % len(target.bodies)]))
+            inflight.add(task)
+            task.add_done_callback(inflight.discard)
+        if inflight:
+            await asyncio.gather(*inflight)
+    finally:
+        for task in inflight:
+            task.cancel()
+
+
+async def run_phase(
+    target: Target, level: Level, limits: Limits, rec: Recorder, client: httpx.AsyncClient, seed: int = 0
+) -> None:
+    """Drive one phase until a bound stops it; after Ctrl-C, in-flight requests get one second, then are dropped."""
+    if level.mode == "closed":
+        work = closed_loop(client, target, int(level.value), rec)
+    else:
+        work = open_loop(client, target, level.value, limits.max_outstanding, rec, seed)
+    task = asyncio.ensure_future(work)
+    stopper = asyncio.ensure_future(rec.stop.wait())
+    try:
+        await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            rec.stopped_by = rec.stopped_by or "interrupted"
+            await asyncio.wait({task}, timeout=1.0)
+    finally:
+        stopper.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+def make_client(level: Level, limits: Limits) -> httpx.AsyncClient:
+    """A client whose connection pool matches the level's concurrency (or the open-loop cap)."""
+    size = int(level.value) if level.mode == "closed" else limits.max_outstanding
+    pool = httpx.Limits(max_connections=size, max_keepalive_connections=size)
+    return httpx.AsyncClient(limits=pool, timeout=limits.timeout_s, trust_env=False)

@@ -1,0 +1,117 @@
+"""Server-side latency from the service's Prometheus text: a histogram's buckets per model, deltas, quantiles.
+
+Tolerant by design: a missing metric or an unreachable metrics URL becomes a note in the report, not a failure.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from dataclasses import dataclass
+
+import httpx
+
+DEFAULT_METRIC = "ray_mha_request_latency_ms"
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+class MetricsError(RuntimeError):
+    """The metrics URL cannot be read or does not hold the histogram."""
+
+
+@dataclass(frozen=True)
+class Histogram:
+    """Cumulative bucket counts per model (summed over replicas and other labels): {model: {le: count}}."""
+
+    buckets: dict[str, dict[float, float]]
+
+    def count(self, model: str) -> float:
+        return self.buckets.get(model, {}).get(math.inf, 0.0)
+
+
+def parse_histogram(text: str, name: str, model_label: str = "model") -> Histogram:
+    """The `<name>_bucket` series of a Prometheus exposition, grouped by `model_label` (else `deployment`)."""
+    buckets: dict[str, dict[float, float]] = {}
+    wanted = f"{name}_bucket"
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if not match or match.group(1) != wanted:
+            continue
+        labels = dict(_LABEL.findall(match.group(2) or ""))
+        model = labels.get(model_label) or labels.get("deployment")
+        if model is None or "le" not in labels:
+            continue
+        le = math.inf if labels["le"] in ("+Inf", "Inf") else float(labels["le"])
+        per_model = buckets.setdefault(model, {})
+        per_model[le] = per_model.get(le, 0.0) + float(match.group(3))
+    return Histogram(buckets)
+
+
+def scrape(client: httpx.Client, url: str, name: str) -> Histogram:
+    try:
+        response = client.get(url)
+    except httpx.HTTPError as exc:
+        raise MetricsError(f"cannot read metrics at {url}: {exc.__class__.__name__}: {exc}") from None
+    if response.status_code != 200:
+        raise MetricsError(f"metrics URL {url} answered {response.status_code}")
+    return parse_histogram(response.text, name)
+
+
+def delta(before: Histogram, after: Histogram, model: str) -> dict[float, float]:
+    """Bucket counts observed between two scrapes, for one model."""
+    old = before.buckets.get(model, {})
+    return {le: count - old.get(le, 0.0) for le, count in after.buckets.get(model, {}).items()}
+
+
+def bucket_quantile(buckets: dict[float, float], q: float) -> float:
+    """Quantile q (0..1) of cumulative buckets, interpolating linearly inside a bucket (as PromQL does).
+
+    A quantile that falls in the +Inf bucket returns the highest finite bound.
+    """
+    bounds = sorted(buckets)
+    total = buckets.get(math.inf, 0.0)
+    if total <= 0 or not bounds:
+        return math.nan
+    rank = q * total
+    lower, below = 0.0, 0.0
+    for le in bounds:
+        count = buckets[le]
+        if count >= rank:
+            if math.isinf(le):
+                return lower
+            inside = count - below
+            return lower + (le - lower) * ((rank - below) / inside if inside > 0 else 1.0)
+        lower, below = le, count
+    return lower
+
+
+def unit_scale(name: str) -> float:
+    """Milliseconds per unit of the metric, read from its name (`_seconds` or `_s`: 1000; otherwise ms)."""
+    return 1000.0 if name.endswith(("_seconds", "_s")) else 1.0
+
+
+def server_percentiles(before: Histogram, after: Histogram, model: str, name: str) -> dict[str, object]:
+    """Server-side count and p50/p90/p95/p99 (ms) for one model between two scrapes."""
+    buckets = delta(before, after, model)
+    count = buckets.get(math.inf, 0.0)
+    if count <= 0:
+        return {"note": f"no observations of {name} for model {model} during this level"}
+    scale = unit_scale(name)
+    out: dict[str, object] = {"metric": name, "count": int(count)}
+    for q in (50, 90, 95, 99):
+        out[f"p{q}"] = round(bucket_quantile(buckets, q / 100) * scale, 3)
+    return out
+
+
+def wait_for_count(
+    client: httpx.Client, url: str, name: str, model: str, at_least: float, timeout_s: float
+) -> Histogram:
+    """Scrape until `model`'s count reaches `at_least` (metrics are exported with a delay) or the timeout passes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        hist = scrape(client, url, name)
+        if hist.count(model) >= at_least or time.monotonic() >= deadline:
+            return hist
+        time.sleep(0.5)
