@@ -1,0 +1,83 @@
+"""The application's typed configuration: what `build_app(args)` takes, from the CLI or a Serve config's `args`.
+
+Pydantic lives here only, at the process boundary; code inside the service gets frozen dataclasses. No torch.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Backend = Literal["auto", "cpu", "gpu"]
+MAX_BODY_BYTES = 1 << 20  # 1 MiB: larger request bodies get 413
+
+
+class Autoscaling(BaseModel):
+    """Ray Serve's autoscaling_config, the part we expose (replicas between min and max, by ongoing requests)."""
+
+    model_config = ConfigDict(extra="forbid")
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(1, ge=1)
+    target_ongoing_requests: float = Field(16.0, gt=0)
+
+
+class DeploymentSettings(BaseModel):
+    """Resources, concurrency and batching of one model deployment. Every field has a default."""
+
+    model_config = ConfigDict(extra="forbid")
+    num_replicas: int = Field(1, ge=1, description="fixed replica count (ignored when autoscaling is set)")
+    autoscaling: Autoscaling | None = None
+    num_cpus: float = Field(1.0, ge=0, description="logical CPUs Ray reserves per replica")
+    num_gpus: float | None = Field(
+        None, ge=0, description="GPUs per replica; None: 0 on cpu, a share of one GPU per model on gpu/auto-with-GPU"
+    )
+    max_ongoing_requests: int = Field(64, ge=1, description="requests a replica holds at once (>= batch rows)")
+    max_queued_requests: int = Field(256, ge=1, description="requests waiting for a replica; beyond it: 503")
+    max_batch_size: int = Field(32, ge=1, description="rows (sequences) per ORT run")
+    batch_wait_timeout_s: float = Field(0.0, ge=0, description="wait for more rows; 0: batch what queued meanwhile")
+    intra_op_threads: int | None = Field(None, ge=1, description="ORT intra-op threads; None: from num_cpus")
+
+    @model_validator(mode="after")
+    def _check(self) -> DeploymentSettings:
+        if self.autoscaling and self.autoscaling.min_replicas > self.autoscaling.max_replicas:
+            raise ValueError("autoscaling.min_replicas must be <= autoscaling.max_replicas")
+        return self
+
+    def threads(self) -> int:
+        return self.intra_op_threads or max(1, int(self.num_cpus))
+
+
+class IngressSettings(BaseModel):
+    """The HTTP ingress (FastAPI) deployment: validation, tokenization, routing to model deployments."""
+
+    model_config = ConfigDict(extra="forbid")
+    num_replicas: int = Field(1, ge=1)
+    num_cpus: float = Field(0.0, ge=0)
+    max_ongoing_requests: int = Field(256, ge=1)
+    max_queued_requests: int = Field(512, ge=1)
+
+
+class RequestLimits(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    max_body_bytes: int = Field(MAX_BODY_BYTES, ge=1024, description="larger bodies get 413")
+    max_rows: int = Field(64, ge=1, description="sequences per request; more get 400")
+
+
+class AppConfig(BaseModel):
+    """`args` of `import_path: service.app:build_app`. Field names are stable: deploy/ and the CLI rely on them."""
+
+    model_config = ConfigDict(extra="forbid")
+    models_dir: str = Field("models", description="folder with one sub-folder per model (model.onnx inside)")
+    models: list[str] | None = Field(None, description="serve only these folder names; None: every sub-folder")
+    backend: Backend = "auto"
+    deployment: DeploymentSettings = DeploymentSettings()
+    overrides: dict[str, DeploymentSettings] = Field(
+        default_factory=dict, description="per-model settings by name, replacing `deployment` for that model"
+    )
+    ingress: IngressSettings = IngressSettings()
+    limits: RequestLimits = RequestLimits()
+    server_name: str = "mha-serving"
+
+    def settings_for(self, name: str) -> DeploymentSettings:
+        return self.overrides.get(name, self.deployment)

@@ -1,0 +1,102 @@
+"""The model deployment: one Ray Serve deployment per model folder, loading its ORT session once at start.
+
+Requests are merged by `@serve.batch` (rows, padded to the longest sequence) and run off the event loop. No torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+from ray import serve
+from ray.serve.deployment import Application
+
+from export.metadata import ModelMetadata
+from service import batching
+from service.config import DeploymentSettings
+from service.errors import ModelFileError, NotReadyError
+from service.runtime import Runtime, load_runtime
+
+
+@dataclass(frozen=True)
+class InferResult:
+    """One request's logits and what it cost inside the replica (the metrics hooks read these)."""
+
+    logits: np.ndarray  # (n, C) float32
+    batch_rows: int  # rows in the ORT run this request shared
+    queue_s: float  # from arrival in the replica to the start of its batch's ORT run
+    run_s: float  # ORT run time of the whole batch
+
+
+@dataclass(frozen=True)
+class ModelStatus:
+    """What a replica reports: readiness (with the reason when not ready), backend and the model's metadata."""
+
+    name: str
+    ready: bool
+    reason: str
+    backend: str = ""
+    threads: int = 0
+    metadata: ModelMetadata | None = None
+
+
+def _rows(items: list[tuple[np.ndarray, np.ndarray, float]]) -> int:
+    return sum(ids.shape[0] for ids, _, _ in items)
+
+
+@serve.deployment
+class ModelServer:
+    """Triton-style lifecycle: load in `__init__` (a bad folder is reported, a backend that cannot be honoured
+    fails the replica), then `infer` per request; `status` backs readiness and the model list."""
+
+    def __init__(self, models_dir: str, name: str, backend: str, settings: DeploymentSettings) -> None:
+        self.name = name
+        self._runtime: Runtime | None = None
+        self._error = ""
+        try:
+            self._runtime = load_runtime(models_dir, name, backend, settings.threads())
+        except ModelFileError as exc:  # BackendError is not caught: the replica fails at start, saying why
+            self._error = str(exc)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ort-{name}")
+        self._batched.set_max_batch_size(settings.max_batch_size)
+        self._batched.set_batch_wait_timeout_s(settings.batch_wait_timeout_s)
+
+    def status(self) -> ModelStatus:
+        rt = self._runtime
+        if rt is None:
+            return ModelStatus(self.name, False, self._error)
+        return ModelStatus(self.name, True, rt.reason, rt.backend, rt.threads, rt.meta)
+
+    async def infer(self, ids: np.ndarray, mask: np.ndarray) -> InferResult:
+        """(n, T) int64 ids and mask, already validated by the ingress -> this request's (n, C) logits."""
+        if self._runtime is None:
+            raise NotReadyError(f"model {self.name!r} is not ready: {self._error}")
+        return await self._batched((ids, mask, time.perf_counter()))
+
+    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.0, batch_size_fn=_rows)
+    async def _batched(self, items: list[tuple[np.ndarray, np.ndarray, float]]) -> list[InferResult]:
+        ids, mask, rows = batching.merge([(i, m) for i, m, _ in items])  # (N, T) each, T = longest in batch
+        start = time.perf_counter()
+        logits = await asyncio.get_running_loop().run_in_executor(self._pool, self._runtime.run, ids, mask)
+        run_s = time.perf_counter() - start
+        parts = batching.split(logits, rows)  # one (n_i, C) per request
+        return [InferResult(p, len(ids), start - t0, run_s) for p, (_, _, t0) in zip(parts, items, strict=True)]
+
+
+def model_deployment(
+    name: str, models_dir: str, backend: str, settings: DeploymentSettings, num_gpus: float
+) -> Application:
+    """The bound deployment for one model folder, named after the model, with its resources and limits."""
+    scaling: dict = {"num_replicas": settings.num_replicas}
+    if settings.autoscaling is not None:
+        scaling = {"num_replicas": "auto", "autoscaling_config": settings.autoscaling.model_dump()}
+    return ModelServer.options(
+        name=name,
+        ray_actor_options={"num_cpus": settings.num_cpus, "num_gpus": num_gpus},
+        max_ongoing_requests=settings.max_ongoing_requests,
+        max_queued_requests=settings.max_queued_requests,
+        **scaling,
+    ).bind(models_dir, name, backend, settings)

@@ -1,0 +1,50 @@
+"""Typed service errors, each with its HTTP status; `ingress.py` maps them to `{"error": ...}` in one place.
+
+No torch here.
+"""
+
+from __future__ import annotations
+
+
+class ServiceError(Exception):
+    """Base class: `status` is the HTTP status code the ingress answers with."""
+
+    status = 500
+
+
+class BadRequestError(ServiceError):
+    """400: the request is malformed or breaks the model's contract (names, dtypes, shapes, ids, lengths)."""
+
+    status = 400
+
+
+class BodyTooLargeError(ServiceError):
+    """413: the request body is over the configured limit."""
+
+    status = 413
+
+
+class ModelNotFoundError(ServiceError):
+    """404: no model of that name is configured."""
+
+    status = 404
+
+
+class NotReadyError(ServiceError):
+    """503: the model is loading, failed to load (the message says why), or the server is shutting down."""
+
+    status = 503
+
+
+class OverCapacityError(ServiceError):
+    """503: the model's bounded queue is full; retry later."""
+
+    status = 503
+
+
+class ModelFileError(ValueError):
+    """A model folder is missing, corrupt or breaks the contract; the deployment reports it instead of serving."""
+
+
+class BackendError(RuntimeError):
+    """The requested ORT backend cannot be honoured here; the message says why (never a silent CPU fallback)."""

@@ -1,0 +1,224 @@
+"""The HTTP ingress: one FastAPI app with every route (v2 protocol, simple JSON, model list), errors mapped here.
+
+It validates and tokenizes requests against each model's metadata, then calls that model's deployment. No torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from ray import serve
+from ray.serve.exceptions import BackPressureError
+from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException
+
+from export.metadata import ModelMetadata
+from service.config import AppConfig
+from service.deployment import InferResult, ModelStatus
+from service.errors import (
+    BodyTooLargeError,
+    ModelNotFoundError,
+    NotReadyError,
+    OverCapacityError,
+    ServiceError,
+)
+from service.protocol import simple, v2
+from service.validation import Rows
+
+STATUS_TIMEOUT_S = 5.0  # a model deployment without a live replica answers nothing; say so instead of hanging
+BINARY_HEADER = "inference-header-content-length"
+
+
+def json_response(body: Any, status: int = 200) -> Response:
+    return Response(json.dumps(body), status_code=status, media_type="application/json")
+
+
+class BodyLimit:
+    """ASGI middleware: a request whose Content-Length is over the limit gets 413 before its body is read."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            limit = getattr(scope["app"].state, "max_body_bytes", None)
+            length = dict(scope["headers"]).get(b"content-length")
+            if limit is not None and length is not None and length.isdigit() and int(length) > limit:
+                error = BodyTooLargeError(f"request body of {int(length)} bytes is over the limit of {limit} bytes")
+                response = json_response({"error": str(error)}, error.status)
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+app = FastAPI(title="mha-serving", description="Multi-head attention classifiers on ONNX Runtime in Ray Serve.")
+app.add_middleware(BodyLimit)
+
+
+@app.exception_handler(ServiceError)
+async def _service_error(_: Request, exc: ServiceError) -> Response:
+    return json_response({"error": str(exc)}, exc.status)
+
+
+@app.exception_handler(RequestValidationError)
+async def _invalid_request(request: Request, exc: RequestValidationError) -> Response:
+    header = request.headers.get(BINARY_HEADER)
+    if header is not None and header != request.headers.get("content-length"):
+        return json_response({"error": "binary tensor data is not supported; send JSON tensor data"}, 400)
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid" or isinstance(first.get("input"), bytes | bytearray):
+        return json_response({"error": f"malformed JSON body: {_json_problem(await request.body())}"}, 400)
+    problems = []
+    for err in errors[:5]:
+        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
+        problems.append(f"{where}: {err.get('msg', 'invalid')}")
+    return json_response({"error": "invalid request: " + "; ".join(problems)}, 400)
+
+
+def _json_problem(body: bytes) -> str:
+    try:
+        json.loads(body)
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+        return str(exc)
+    return "the body must be a JSON object"
+
+
+@app.exception_handler(HTTPException)
+async def _http_error(_: Request, exc: HTTPException) -> Response:
+    return json_response({"error": str(exc.detail)}, exc.status_code)
+
+
+@app.exception_handler(Exception)
+async def _internal_error(_: Request, exc: Exception) -> Response:
+    return json_response({"error": f"internal error: {type(exc).__name__}: {exc}"}, 500)
+
+
+def _describe(status: ModelStatus) -> dict[str, Any]:
+    out: dict[str, Any] = {"name": status.name, "ready": status.ready}
+    if status.metadata is not None:
+        meta = status.metadata
+        out.update(simple.head_config(meta))
+        out.update(max_len=meta.max_len, vocab_size=meta.vocab_size, labels=list(meta.labels), task=meta.task)
+        out.update(backend=status.backend, backend_reason=status.reason, threads=status.threads)
+    else:
+        out["error"] = status.reason
+    return out
+
+
+async def _awaited(response):
+    return await response
+
+
+@serve.deployment
+@serve.ingress(app)
+class Ingress:
+    """Routes by model name to the model deployments' handles; caches each model's metadata once it is ready."""
+
+    def __init__(self, models: dict[str, DeploymentHandle], config: AppConfig) -> None:
+        self._handles = models
+        self._config = config
+        self._ready: dict[str, ModelStatus] = {}  # name -> status of a loaded model (metadata never changes)
+        app.state.max_body_bytes = config.limits.max_body_bytes
+
+    def _handle(self, name: str) -> DeploymentHandle:
+        if name not in self._handles:
+            raise ModelNotFoundError(f"unknown model {name!r}; models: {sorted(self._handles)}")
+        return self._handles[name]
+
+    async def _status(self, name: str) -> ModelStatus:
+        """Ask the model's replica (live); a replica that does not answer is reported as not ready."""
+        handle = self._handle(name)
+        try:
+            status = await asyncio.wait_for(_awaited(handle.status.remote()), STATUS_TIMEOUT_S)
+        except TimeoutError:
+            reason = f"no replica answered within {STATUS_TIMEOUT_S:g} s (starting, or failed at start: `serve status`)"
+            return ModelStatus(name, False, reason)
+        if status.ready:
+            self._ready[name] = status
+        return status
+
+    async def _ready_model(self, name: str) -> ModelStatus:
+        status = self._ready.get(name) or await self._status(name)
+        if not status.ready:
+            raise NotReadyError(f"model {name!r} is not ready: {status.reason}")
+        return status
+
+    async def _infer(self, name: str, rows: Rows) -> InferResult:
+        try:
+            return await self._handle(name).infer.remote(rows.ids, rows.mask)
+        except BackPressureError as exc:
+            raise OverCapacityError(f"model {name!r} is over capacity (its queue is full); retry later") from exc
+
+    @staticmethod
+    def _check_version(name: str, version: str | None) -> None:
+        if version is not None and version != v2.MODEL_VERSION:
+            raise ModelNotFoundError(f"model {name!r} has no version {version!r}; versions: [{v2.MODEL_VERSION!r}]")
+
+    # ---- Open Inference Protocol v2 ----
+    @app.get("/v2/health/live")
+    async def live(self) -> Response:
+        return json_response({"live": True})
+
+    @app.get("/v2/health/ready")
+    async def ready(self) -> Response:
+        statuses = await asyncio.gather(*(self._status(n) for n in self._handles))
+        waiting = {s.name: s.reason for s in statuses if not s.ready}
+        if waiting:
+            return json_response({"ready": False, "error": f"models not ready: {waiting}"}, 503)
+        return json_response({"ready": True})
+
+    @app.get("/v2")
+    async def server_metadata(self) -> Response:
+        from importlib.metadata import version
+
+        return json_response({"name": self._config.server_name, "version": version("mha-serving"), "extensions": []})
+
+    @app.get("/v2/models/{name}")
+    @app.get("/v2/models/{name}/versions/{version}")
+    async def model_metadata(self, name: str, version: str | None = None) -> Response:
+        self._check_version(name, version)
+        status = await self._ready_model(name)
+        return json_response(v2.model_metadata(status.metadata))
+
+    @app.get("/v2/models/{name}/ready")
+    @app.get("/v2/models/{name}/versions/{version}/ready")
+    async def model_ready(self, name: str, version: str | None = None) -> Response:
+        self._check_version(name, version)
+        status = await self._status(name)
+        if not status.ready:
+            return json_response({"name": name, "ready": False, "error": status.reason}, 503)
+        return json_response({"name": name, "ready": True})
+
+    @app.post("/v2/models/{name}/infer")
+    @app.post("/v2/models/{name}/versions/{version}/infer")
+    async def infer(self, name: str, body: v2.InferRequest, version: str | None = None) -> Response:
+        self._check_version(name, version)
+        meta: ModelMetadata = (await self._ready_model(name)).metadata
+        v2.requested_outputs(body)
+        result = await self._infer(name, v2.decode(body, meta, self._config.limits.max_rows))
+        return json_response(v2.infer_response(name, body, result.logits))
+
+    # ---- simple JSON ----
+    @app.get("/v1/models")
+    async def list_models(self) -> Response:
+        statuses = await asyncio.gather(*(self._status(n) for n in self._handles))
+        return json_response({"models": [_describe(s) for s in statuses]})
+
+    @app.post("/v1/models/{name}/predict")
+    async def predict(self, name: str, body: simple.PredictRequest) -> Response:
+        start = time.perf_counter()
+        status = await self._ready_model(name)
+        result = await self._infer(name, simple.decode(body, status.metadata, self._config.limits.max_rows))
+        timing = {
+            "total_ms": (time.perf_counter() - start) * 1e3,
+            "queue_ms": result.queue_s * 1e3,
+            "run_ms": result.run_s * 1e3,
+            "batch_rows": result.batch_rows,
+        }
+        return json_response(simple.predict_response(body, status.metadata, status.backend, result.logits, timing))

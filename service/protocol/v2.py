@@ -1,0 +1,128 @@
+"""Open Inference Protocol v2 (KServe / Triton), JSON tensors: request models, decoding, response building.
+
+Inputs: `input_ids` + optional `attention_mask` (INT64 [B, T]) or `text` (BYTES [B]); output `logits` FP32 [B, C].
+No torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from export.metadata import ATTENTION_MASK, INPUT_IDS, LOGITS, ModelMetadata
+from service.errors import BadRequestError
+from service.validation import Rows, check_rows, int_matrix, texts_to_rows
+
+TEXT = "text"
+PLATFORM = "onnxruntime_onnx"
+MODEL_VERSION = "1"
+KNOWN_INPUTS = (INPUT_IDS, ATTENTION_MASK, TEXT)
+
+
+class RequestInput(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str
+    shape: list[int]
+    datatype: str
+    parameters: dict[str, Any] | None = None
+    data: Any = None
+
+
+class RequestOutput(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str
+    parameters: dict[str, Any] | None = None
+
+
+class InferRequest(BaseModel):
+    """The v2 inference request; unknown top-level keys are tolerated, as the protocol allows extensions."""
+
+    model_config = ConfigDict(extra="allow")
+    id: str | None = None
+    parameters: dict[str, Any] | None = None
+    inputs: list[RequestInput] = Field(min_length=1)
+    outputs: list[RequestOutput] | None = None
+
+
+def _tensor(inputs: dict[str, RequestInput], name: str, datatype: str) -> RequestInput | None:
+    tensor = inputs.get(name)
+    if tensor is None:
+        return None
+    if tensor.datatype != datatype:
+        raise BadRequestError(f"input {name!r} must have datatype {datatype}, got {tensor.datatype}")
+    if tensor.parameters and "binary_data_size" in tensor.parameters:
+        raise BadRequestError(f"input {name!r} is sent as binary data; this server takes JSON tensor data only")
+    if tensor.data is None:
+        raise BadRequestError(f"input {name!r} has no 'data'")
+    return tensor
+
+
+def decode(request: InferRequest, meta: ModelMetadata, max_rows: int) -> Rows:
+    """The request's rows, checked; BadRequestError names the tensor and the problem."""
+    inputs = {t.name: t for t in request.inputs}
+    unknown = [n for n in inputs if n not in KNOWN_INPUTS]
+    if unknown or len(inputs) != len(request.inputs):
+        raise BadRequestError(
+            f"unexpected or repeated inputs {unknown or [t.name for t in request.inputs]}; "
+            f"send {INPUT_IDS} (+ {ATTENTION_MASK}) or {TEXT}"
+        )
+    text = _tensor(inputs, TEXT, "BYTES")
+    if text is not None:
+        if len(inputs) > 1:
+            raise BadRequestError(f"send either {TEXT} or {INPUT_IDS}/{ATTENTION_MASK}, not both")
+        data = text.data if isinstance(text.data, list) else [text.data]
+        if len(text.shape) != 1 or text.shape[0] != len(data):
+            raise BadRequestError(f"input {TEXT!r}: shape {text.shape} does not match {len(data)} strings")
+        return texts_to_rows(data, meta, max_rows)
+    ids = _tensor(inputs, INPUT_IDS, "INT64")
+    if ids is None:
+        raise BadRequestError(f"input {INPUT_IDS!r} is missing (or send {TEXT!r})")
+    mask = _tensor(inputs, ATTENTION_MASK, "INT64")
+    ids_m = int_matrix(INPUT_IDS, ids.data, ids.shape)
+    mask_m = int_matrix(ATTENTION_MASK, mask.data, mask.shape) if mask is not None else None
+    return check_rows(ids_m, mask_m, meta, max_rows)
+
+
+def requested_outputs(request: InferRequest) -> None:
+    """Only `logits` exists; asking for another output is a 400 naming it."""
+    for out in request.outputs or []:
+        if out.name != LOGITS:
+            raise BadRequestError(f"unknown output {out.name!r}; this model has {LOGITS!r}")
+
+
+def infer_response(name: str, request: InferRequest, logits: np.ndarray) -> dict[str, Any]:
+    """The v2 response: `logits` FP32 [B, C] as flat row-major JSON data, the request id echoed."""
+    out: dict[str, Any] = {"model_name": name, "model_version": MODEL_VERSION}
+    if request.id is not None:
+        out["id"] = request.id
+    tensor = {"name": LOGITS, "datatype": "FP32", "shape": list(logits.shape), "data": logits.ravel().tolist()}
+    out["outputs"] = [tensor]  # the only output; requested_outputs() already refused any other name
+    return out
+
+
+def model_metadata(meta: ModelMetadata) -> dict[str, Any]:
+    """v2 model metadata (tritonclient's get_model_metadata reads it); -1 marks dynamic dimensions."""
+    return {
+        "name": meta.name,
+        "versions": [MODEL_VERSION],
+        "platform": PLATFORM,
+        "inputs": [
+            {"name": INPUT_IDS, "datatype": "INT64", "shape": [-1, -1]},
+            {"name": ATTENTION_MASK, "datatype": "INT64", "shape": [-1, -1]},
+        ],
+        "outputs": [{"name": LOGITS, "datatype": "FP32", "shape": [-1, meta.num_classes]}],
+        "parameters": {
+            "heads": meta.heads,
+            "head_dim": meta.head_dim,
+            "d_model": meta.d_model,
+            "layers": meta.layers,
+            "max_len": meta.max_len,
+            "vocab_size": meta.vocab_size,
+            "labels": list(meta.labels),
+            "text_input": f"{TEXT} (BYTES [-1]) instead of {INPUT_IDS}/{ATTENTION_MASK}"
+            if meta.tokenizer == "byte-v1"
+            else "",
+        },
+    }

@@ -1,0 +1,97 @@
+"""Request rows checked against a model's metadata and the request limits, as (B, T) int64 ids and mask.
+
+Every problem is a BadRequestError that names it (shape, id range, length, rows). Shared by both protocols. No torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from export.metadata import ModelMetadata
+from export.tokenizer import ByteTokenizer, SequenceTooLongError
+from service.errors import BadRequestError
+
+
+@dataclass(frozen=True)
+class Rows:
+    """A request's input, checked: ids and mask of shape (B, T), int64, mask in {0, 1}, a token in every row."""
+
+    ids: np.ndarray
+    mask: np.ndarray
+
+
+def int_matrix(name: str, data: object, shape: list[int] | None = None) -> np.ndarray:
+    """Nested or flat integer data -> an int64 matrix; `shape` (from a v2 tensor) reshapes flat row-major data."""
+    try:
+        array = np.asarray(data)
+    except ValueError as exc:  # ragged nesting
+        raise BadRequestError(f"{name}: data is not a rectangular array ({exc})") from exc
+    if array.size and array.dtype.kind not in "iu":
+        raise BadRequestError(f"{name}: data must be integers, got {array.dtype.name} values")
+    if shape is not None:
+        if len(shape) != 2 or any(d < 0 for d in shape):
+            raise BadRequestError(f"{name}: shape must be [batch, sequence], got {shape}")
+        if array.size != shape[0] * shape[1]:
+            raise BadRequestError(f"{name}: shape {shape} needs {shape[0] * shape[1]} values, data has {array.size}")
+        array = array.reshape(shape)  # flat row-major (or nested) -> (B, T)
+    if array.ndim != 2:
+        raise BadRequestError(f"{name}: expected a [batch, sequence] matrix, got {array.ndim} dimension(s)")
+    return array.astype(np.int64, copy=False)
+
+
+def check_rows(ids: np.ndarray, mask: np.ndarray | None, meta: ModelMetadata, max_rows: int) -> Rows:
+    """Check (B, T) ids (and mask, default all ones) against the model: sizes, max_len, vocabulary, padding."""
+    if ids.shape[0] == 0 or ids.shape[1] == 0:
+        raise BadRequestError(f"input_ids is empty (shape {list(ids.shape)}): send at least one token")
+    if ids.shape[0] > max_rows:
+        raise BadRequestError(f"{ids.shape[0]} sequences in one request, over the limit of {max_rows}")
+    if ids.shape[1] > meta.max_len:
+        raise BadRequestError(f"sequence length {ids.shape[1]} is over the model's max_len={meta.max_len}")
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= meta.vocab_size:
+        bad = low if low < 0 else high
+        raise BadRequestError(f"token id {bad} is outside the vocabulary [0, {meta.vocab_size - 1}]")
+    if mask is None:
+        mask = np.ones_like(ids)
+    elif mask.shape != ids.shape:
+        raise BadRequestError(f"attention_mask shape {list(mask.shape)} differs from input_ids {list(ids.shape)}")
+    elif not np.isin(mask, (0, 1)).all():
+        raise BadRequestError("attention_mask must hold only 0 (padding) and 1 (token)")
+    empty = np.flatnonzero(mask.sum(axis=1) == 0)
+    if empty.size:
+        raise BadRequestError(f"row {int(empty[0])} has no tokens (attention_mask is all 0)")
+    return Rows(ids, mask)
+
+
+def texts_to_rows(texts: list[str], meta: ModelMetadata, max_rows: int) -> Rows:
+    """Tokenize with the model's tokenizer and pad to the longest text."""
+    if meta.tokenizer != "byte-v1":
+        raise BadRequestError(f"model {meta.name!r} takes token ids only (tokenizer {meta.tokenizer!r}), not text")
+    if not texts:
+        raise BadRequestError("no texts given: send at least one")
+    if len(texts) > max_rows:
+        raise BadRequestError(f"{len(texts)} texts in one request, over the limit of {max_rows}")
+    if not all(isinstance(t, str) for t in texts):
+        raise BadRequestError("texts must be strings")
+    try:
+        ids, mask = ByteTokenizer(meta.max_len).encode_batch(texts)
+    except SequenceTooLongError as exc:
+        raise BadRequestError(str(exc)) from exc
+    return Rows(np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.int64))
+
+
+def ragged_to_rows(rows: list[list[int]], meta: ModelMetadata, max_rows: int) -> Rows:
+    """Token-id rows of different lengths -> padded ids and mask (simple JSON API without attention_mask)."""
+    if not rows or not all(isinstance(r, list) for r in rows):
+        raise BadRequestError("input_ids must be a non-empty list of token-id lists")
+    width = max(len(r) for r in rows)
+    ids = np.zeros((len(rows), width), dtype=np.int64)  # (B, T), PAD_ID 0
+    mask = np.zeros((len(rows), width), dtype=np.int64)  # (B, T)
+    for i, row in enumerate(rows):
+        if not row:
+            raise BadRequestError(f"row {i} of input_ids is empty")
+        ids[i, : len(row)] = int_matrix("input_ids", [row])[0]
+        mask[i, : len(row)] = 1
+    return check_rows(ids, mask, meta, max_rows)
