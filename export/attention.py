@@ -90,6 +90,8 @@ class MultiHeadAttention(nn.Module):
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
         weights = F.softmax(scores, dim=-1)  # (B, h, T, T), rows sum to 1 over unmasked keys
+        if mask is not None:
+            weights = weights.masked_fill(~mask, 0.0)  # a query with no key to attend gets zeros, as SDPA gives
         y = F.dropout(weights, p=p) @ v  # (B, h, T, hs)
         return y, weights
 
@@ -103,6 +105,8 @@ class MultiHeadAttention(nn.Module):
             )
         if mha.in_proj_weight is None:
             raise ValueError("nn.MultiheadAttention with separate q/k/v dimensions (kdim/vdim) is not supported")
+        if mha.bias_k is not None or mha.add_zero_attn:
+            raise ValueError("nn.MultiheadAttention with add_bias_kv or add_zero_attn has no equivalent here")
         if (mha.in_proj_bias is None) != (self.qkv.bias is None):
             raise ValueError("bias mismatch: one layer has projection biases and the other does not")
         self.qkv.weight.copy_(mha.in_proj_weight)  # (3E, E)

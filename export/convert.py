@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -29,7 +32,8 @@ from export.metadata import (
 
 DEFAULT_ONNX_OPSET = 20
 EXTERNAL_DATA_THRESHOLD = 1 << 30  # 1 GiB: larger models keep weights in model.onnx.data (protobuf caps at 2 GiB)
-TRACE_SHAPE = (2, 8)  # (batch, seq) traced; the gate checks other shapes
+TRACE_BATCH, TRACE_SEQ = 2, 8  # traced shape (seq capped at max_len); the gate checks other shapes
+_NOISY_LOGGERS = ("torch.onnx", "torch.export", "torch._dynamo", "torch.fx", "onnxscript")  # progress, torchvision
 
 
 class ExportError(RuntimeError):
@@ -58,27 +62,56 @@ def exporter_versions() -> dict[str, str]:
     }
 
 
+def one_line(exc: BaseException) -> str:
+    """The root cause of an exception chain as `Type: first line`, for one-line CLI errors."""
+    root = exc
+    while root.__cause__ is not None:
+        root = root.__cause__
+    lines = [line.strip() for line in str(root).splitlines() if line.strip()]
+    return f"{type(root).__name__}: {lines[0] if lines else 'no message'}"
+
+
+@contextlib.contextmanager
+def quiet_torch():
+    """Silence the exporter's warnings, log lines (\"torchvision is not installed ...\") and progress prints."""
+    loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    try:
+        for logger in loggers:
+            logger.setLevel(logging.ERROR)
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+
 def _to_onnx(module: nn.Module, meta: ModelMetadata, path: Path, output_names: list[str]) -> None:
+    trace_seq = max(2, min(TRACE_SEQ, meta.max_len))  # 0/1-sized dims would be specialised by torch.export
     batch = torch.export.Dim("batch", min=1, max=65536)
-    seq = torch.export.Dim("seq", min=1, max=meta.max_len)
-    ids = torch.randint(4, meta.vocab_size, TRACE_SHAPE, dtype=torch.int64)
-    mask = torch.ones(TRACE_SHAPE, dtype=torch.int64)
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore")
-        program = torch.onnx.export(
-            module,
-            (ids, mask),
-            dynamo=True,
-            input_names=[INPUT_IDS, ATTENTION_MASK],
-            output_names=output_names,
-            dynamic_shapes={"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}},
-            opset_version=DEFAULT_ONNX_OPSET,
-            optimize=True,
-            verbose=False,
-        )
-    if program is None:
-        raise ExportError(f"torch.onnx.export returned nothing for {meta.name}")
-    program.save(str(path))
+    seq = torch.export.Dim("seq", min=1, max=max(meta.max_len, trace_seq))
+    low = min(4, meta.vocab_size - 1)  # past the byte tokenizer's special ids when the vocabulary has them
+    ids = torch.randint(low, meta.vocab_size, (TRACE_BATCH, trace_seq), dtype=torch.int64)
+    mask = torch.ones(TRACE_BATCH, trace_seq, dtype=torch.int64)
+    try:
+        with quiet_torch(), torch.no_grad():
+            program = torch.onnx.export(
+                module,
+                (ids, mask),
+                dynamo=True,
+                input_names=[INPUT_IDS, ATTENTION_MASK],
+                output_names=output_names,
+                dynamic_shapes=({0: batch, 1: seq}, {0: batch, 1: seq}),  # positional: any forward argument names
+                opset_version=DEFAULT_ONNX_OPSET,
+                optimize=True,
+                verbose=False,
+            )
+            if program is None:
+                raise ExportError("torch.onnx.export returned nothing")
+            program.save(str(path))
+    except Exception as exc:
+        raise ExportError(f"torch.onnx.export failed for {meta.name}: {one_line(exc)}") from exc
 
 
 def _write_metadata(path: Path, meta: ModelMetadata, expected_outputs: list[str]) -> None:
@@ -94,9 +127,14 @@ def _write_metadata(path: Path, meta: ModelMetadata, expected_outputs: list[str]
     for key, value in meta.to_props().items():
         model.metadata_props.add(key=key, value=value)
     model.producer_name = "mha-serving"
+    for stale in path.parent.glob(path.name + ".*"):  # external data is appended to an existing file: start afresh
+        stale.unlink()
     large = model.ByteSize() > EXTERNAL_DATA_THRESHOLD
     onnx.save_model(model, str(path), save_as_external_data=large, location=path.name + ".data" if large else None)
-    onnx.checker.check_model(str(path), full_check=True)
+    try:
+        onnx.checker.check_model(str(path), full_check=True)
+    except onnx.checker.ValidationError as exc:
+        raise ExportError(f"onnx.checker rejected {path.name}: {one_line(exc)}") from exc
 
 
 def export_model(
@@ -136,11 +174,25 @@ def export_model(
             max_diff = max(max_diff, parity.check(attention_variant, staging / ATTENTION_MODEL_FILE, meta, atol=atol))
         params = sum(p.numel() for p in model.parameters())
         (staging / CONFIG_FILE).write_text(json.dumps({**meta.to_json(), "params": params}, indent=2) + "\n")
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(staging, target)
+        _move_into_place(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     file_bytes = sum(f.stat().st_size for f in target.iterdir() if f.name.startswith(MODEL_FILE))
     return ExportResult(meta.name, target, params, file_bytes, max_diff, time.perf_counter() - start, meta)
+
+
+def _move_into_place(staging: Path, target: Path) -> None:
+    """Rename staging to target; an existing target is renamed aside first, so readers never see a partial folder."""
+    if not target.exists():
+        os.replace(staging, target)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old.", dir=target.parent))
+    os.replace(target, old / target.name)
+    try:
+        os.replace(staging, target)
+    except BaseException:
+        os.replace(old / target.name, target)
+        raise
+    finally:
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,239 @@
+"""`mha-serving export`: one ONNX model folder per head configuration, each written only after the parity gate.
+
+Exit status: 0 exported (or already there), 1 an export failed, 2 a usage error; every error is one line on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from export.settings import ExportSettings, UsageError, load_config_file, merge
+
+PROG = "mha-serving export"
+EPILOG = """\
+config file (--config, YAML or JSON): the flags' names as keys, for example
+  heads: [1, 2, 4, 8, 16]
+  d_model: 512
+  layers: 4
+  labels: [negative, positive]
+flags given on the command line override the file.
+
+--model package.module:factory exports your own model built with export.attention.MultiHeadAttention; the factory
+protocol is documented in export/user_model.py and in the README's Export section."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, no usage block: main() prints it
+        raise UsageError(message)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog=PROG, argument_default=argparse.SUPPRESS, epilog=EPILOG, formatter_class=argparse.RawTextHelpFormatter
+    )
+    p.add_argument("--out", help="folder that receives one sub-folder per configuration (default: models)")
+    p.add_argument("--heads", help="comma-separated head counts (default: 1,2,4,8,16)")
+    p.add_argument("--d-model", type=int, help="model width (default: 512)")
+    p.add_argument(
+        "--head-dim", type=int, help="size of each head (default: d_model // h; needed when h does not divide)"
+    )
+    p.add_argument("--layers", type=int, help="encoder blocks (default: 4)")
+    p.add_argument("--ff-dim", type=int, help="feed-forward width (default: 4 * d_model)")
+    p.add_argument("--max-len", type=int, help="longest sequence, tokens (default: 128)")
+    p.add_argument("--vocab-size", type=int, help="token ids (default: 260, the byte tokenizer's)")
+    p.add_argument("--num-classes", type=int, help="output classes (default: 2, or the number of --labels)")
+    p.add_argument("--labels", help="comma-separated class names (default: negative,positive)")
+    p.add_argument("--seed", type=int, help="torch seed set before each model is built (default: 0)")
+    p.add_argument("--force", action="store_true", help="replace model folders that exist (default: skip them)")
+    p.add_argument("--attention", action="store_true", help="also export model.attn.onnx with per-head weights")
+    p.add_argument("--atol", type=float, help="parity gate tolerance, max abs difference (default: 1e-4)")
+    p.add_argument("--model", help="package.module:factory, your own model built with our attention layer")
+    p.add_argument("--name-prefix", help="prefix of the configuration names (default: mha)")
+    p.add_argument("--config", type=Path, help="YAML or JSON file with the same keys; flags override it")
+    return p
+
+
+def parse_settings(argv: list[str]) -> ExportSettings:
+    flags = vars(_parser().parse_args(argv))
+    config_path = flags.pop("config", None)
+    file_values = load_config_file(config_path) if config_path is not None else {}
+    return merge(file_values, flags, source=str(config_path or ""))
+
+
+@dataclass(frozen=True)
+class Job:
+    """One configuration to export: an EncoderConfig, or None for a factory that fixes its own configuration."""
+
+    config: object  # export.model.EncoderConfig | None (torch is imported only once the arguments are good)
+
+
+def _jobs(settings: ExportSettings, takes_config: bool) -> list[Job]:
+    from export.model import EncoderConfig
+
+    if not takes_config:
+        if settings.heads_given:
+            raise UsageError("--heads has no effect: the --model factory takes no arguments and fixes its own heads")
+        return [Job(None)]
+    num_classes, labels = settings.class_labels()
+    jobs = []
+    for h in settings.heads:
+        kwargs = dict(heads=h, d_model=settings.d_model, head_dim=settings.head_dim, layers=settings.layers)
+        kwargs.update(ff_dim=settings.ff_dim, max_len=settings.max_len, vocab_size=settings.vocab_size)
+        kwargs.update(num_classes=num_classes, name_prefix=settings.name_prefix)
+        if labels is not None:
+            kwargs["labels"] = labels
+        try:
+            jobs.append(Job(EncoderConfig(**kwargs)))
+        except ValueError as exc:
+            raise UsageError(str(exc)) from exc
+    return jobs
+
+
+def _check_writable(out: Path) -> None:
+    from export.convert import ExportError
+
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryDirectory(dir=out).cleanup()
+    except OSError as exc:
+        raise ExportError(f"cannot write to output folder {out}: {exc.strerror or exc}") from exc
+
+
+def _build(job: Job, settings: ExportSettings, factory, exporter: dict[str, str]):
+    """(model, attention variant or None, metadata) for one job, the seed set first."""
+    import torch
+
+    from export import user_model
+    from export.model import AttentionOutputs, EncoderClassifier
+
+    torch.manual_seed(settings.seed)
+    if factory is None:
+        model = EncoderClassifier(job.config)
+        variant = AttentionOutputs(model) if settings.attention else None
+        return model, variant, job.config.metadata(exporter)
+    model = factory.build(job.config)
+    num_classes, labels = settings.class_labels()
+    defaults = dict(vocab_size=settings.vocab_size, max_len=settings.max_len, num_classes=num_classes)
+    defaults["labels"] = labels or (("negative", "positive") if num_classes == 2 else None)
+    meta = user_model.describe(model, factory.spec, defaults, settings.name_prefix, exporter)
+    variant = user_model.WithAttention(model, factory.spec) if settings.attention else None
+    return model, variant, meta
+
+
+def _run(settings: ExportSettings, factory, jobs: list[Job]) -> list:
+    from export.convert import export_model, exporter_versions
+
+    exporter = exporter_versions()
+    results = []
+    for i, job in enumerate(jobs, start=1):
+        step = f"[{i}/{len(jobs)}]"
+        start = time.perf_counter()
+        label = job.config.name if factory is None else factory.spec
+        try:
+            model, variant, meta = _build(job, settings, factory, exporter)
+            label = meta.name
+            if (settings.out / meta.name).exists() and not settings.force:
+                print(f"{step} {meta.name}: exists in {settings.out}, skipped (--force replaces it)", flush=True)
+                continue
+            print(f"{step} {meta.name}: exporting ({_describe(meta, model, variant)}) ...", flush=True)
+            result = export_model(model, meta, settings.out, attention_variant=variant, atol=settings.atol)
+        except Exception as exc:
+            message = _message(exc)
+            raise _Failed(message if label in message else f"{label}: {message}") from exc
+        print(
+            f"{step} {meta.name}: passed the parity gate (max diff {result.max_diff:.2g}), "
+            f"{_size(result.file_bytes)}, {time.perf_counter() - start:.1f} s",
+            flush=True,
+        )
+        results.append(result)
+    return results
+
+
+def _describe(meta, model, variant) -> str:
+    params = sum(p.numel() for p in model.parameters())
+    layers = f"{meta.layers} layer{'s' if meta.layers != 1 else ''}"
+    text = f"h={meta.heads}, head_dim={meta.head_dim}, d_model={meta.d_model}, {layers}, {params:,} params"
+    return text + (", with the attention variant" if variant is not None else "")
+
+
+class _Failed(RuntimeError):
+    """An export failed (exit status 1); the message is already one line."""
+
+
+def _message(exc: Exception) -> str:
+    """Our typed errors already say what failed, in their first line; anything else by its root cause."""
+    from export.convert import ExportError, one_line
+    from export.metadata import MetadataError
+    from export.parity import ParityError
+    from export.user_model import FactoryError
+
+    if isinstance(exc, ExportError | ParityError | FactoryError | MetadataError):
+        return str(exc).splitlines()[0]
+    return one_line(exc)
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
+def _row(r) -> tuple[str, ...]:
+    meta = r.metadata
+    return (
+        r.name,
+        str(meta.heads),
+        str(meta.head_dim),
+        f"{r.params:,}",
+        _size(r.file_bytes),
+        f"{r.max_diff:.2g}",
+        f"{r.seconds:.1f}",
+    )
+
+
+def format_table(results: list) -> str:
+    """name, h, head_dim, params, file size, max diff, seconds: one row per exported configuration."""
+    header = ("name", "h", "head_dim", "params", "file size", "max diff", "seconds")
+    rows = [_row(r) for r in results]
+    widths = [max(len(row[c]) for row in [header, *rows]) for c in range(len(header))]
+    lines = []
+    for row in [header, *rows]:
+        cells = [row[0].ljust(widths[0])] + [cell.rjust(w) for cell, w in zip(row[1:], widths[1:], strict=True)]
+        lines.append("  ".join(cells).rstrip())
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        settings = parse_settings(argv)
+        from export import user_model  # imports torch: after the arguments parsed, so --help stays quick
+
+        factory = user_model.resolve(settings.model) if settings.model else None
+        jobs = _jobs(settings, takes_config=factory is None or factory.takes_config)
+    except UsageError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
+    except SystemExit as exc:  # --help
+        return int(exc.code or 0)
+    created = not settings.out.exists()
+    try:
+        _check_writable(settings.out)
+        results = _run(settings, factory, jobs)
+    except (_Failed, RuntimeError, KeyboardInterrupt) as exc:  # _Failed, or ExportError from _check_writable
+        if created and settings.out.is_dir() and not any(settings.out.iterdir()):
+            settings.out.rmdir()  # we made it and nothing was exported: leave no trace
+        if isinstance(exc, KeyboardInterrupt):
+            print(f"{PROG}: interrupted; no half-written model folder was left behind", file=sys.stderr)
+            return 130
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 1
+    if results:
+        print()
+        print(format_table(results))
+    print(f"{len(results)} exported to {settings.out}/", flush=True)
+    return 0
