@@ -136,14 +136,16 @@ def _finish(out: Path, meta: dict, outcome: Outcome, message: str) -> str:
 
 
 def _discover(args: argparse.Namespace, base_url: str, outcome: Outcome) -> list[ModelInfo]:
+    """The selected models, each ready (waiting up to --ready-timeout); models that never get ready are failures."""
     with httpx.Client(timeout=10.0, trust_env=False) as client:
         models = select_models(discover(client, base_url), args.models)
-        ready = []
-        for m in models:
-            if m.ready or wait_ready(client, base_url, m.name, args.ready_timeout):
-                ready.append(m)
-            else:
-                outcome.failures.append(f"{m.name}: not ready after {args.ready_timeout:g} s; skipped")
+        waiting = [m.name for m in models if not m.ready]
+        late = [n for n in waiting if not wait_ready(client, base_url, n, args.ready_timeout)]
+        if waiting:
+            listed = {m.name: m for m in discover(client, base_url)}
+            models = [listed.get(m.name, m) for m in models]
+    outcome.failures += [f"{n}: not ready after {args.ready_timeout:g} s; skipped" for n in late]
+    ready = [m for m in models if m.name not in late and m.heads > 0]
     if not ready:
         raise DiscoveryError("none of the selected models is ready: " + "; ".join(outcome.failures))
     return ready

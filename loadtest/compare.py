@@ -76,6 +76,11 @@ def markdown(rows: list[Comparison], only: list[str], label_a: str, label_b: str
     return "\n".join(lines) + "\n"
 
 
+def _json_values(row: Comparison) -> dict[str, list[float | None]]:
+    """metric -> [A, B, B / A] with missing values as null (JSON has no NaN)."""
+    return {m: [None if math.isnan(x) else x for x in values] for m, values in row.values.items()}
+
+
 def run_compare(path_a: Path, path_b: Path, out_dir: Path | None) -> str:
     """Load both reports, compare them, write compare.md and compare.json to out_dir if given; returns the Markdown."""
     _, a = load_report(path_a)
@@ -85,6 +90,6 @@ def run_compare(path_a: Path, path_b: Path, out_dir: Path | None) -> str:
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "compare.md").write_text(text, encoding="utf-8")
-        data = [{"model": r.model, "heads": r.heads, "level": r.level, "values": r.values} for r in rows]
+        data = [{"model": r.model, "heads": r.heads, "level": r.level, "values": _json_values(r)} for r in rows]
         (out_dir / "compare.json").write_text(json.dumps({"rows": data, "unmatched": only}, indent=2) + "\n")
     return text

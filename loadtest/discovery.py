@@ -80,9 +80,11 @@ def parse_model(entry: object) -> ModelInfo:
     if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
         raise DiscoveryError(f"a model in the service's listing has no name: {entry!r}")
     name = entry["name"]
-    values = {key: _as_int(entry, key, name) for key in _HEAD_KEYS}
     ready = entry.get("ready", entry.get("state", "ready"))
     ready = ready if isinstance(ready, bool) else str(ready).lower() in ("ready", "true", "running", "healthy")
+    if not ready and not all(key in entry for key in _HEAD_KEYS):
+        return ModelInfo(name, 0, 0, 0, 0, 0, ready=False)  # a model still loading: configuration not known yet
+    values = {key: _as_int(entry, key, name) for key in _HEAD_KEYS}
     return ModelInfo(name=name, backend=str(entry.get("backend", "")), ready=ready, **values)
 
 
@@ -120,9 +122,8 @@ def select_models(models: list[ModelInfo], spec: str) -> list[ModelInfo]:
     wanted = [n.strip() for n in spec.split(",") if n.strip()]
     unknown = [n for n in wanted if n not in by_name]
     if unknown or not wanted:
-        raise DiscoveryError(
-            f"unknown model(s) {', '.join(unknown) or spec!r}; the service serves: {', '.join(sorted(by_name))}"
-        )
+        asked = ", ".join(unknown) if unknown else repr(spec)
+        raise DiscoveryError(f"unknown model(s) {asked}; the service serves: {', '.join(sorted(by_name))}")
     return [by_name[n] for n in wanted]
 
 

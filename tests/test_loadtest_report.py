@@ -1,0 +1,116 @@
+"""Load test reports: JSON/CSV/Markdown written and read back unchanged, plots drawn, two reports compared."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+
+import pytest
+
+from loadtest.cli import main
+from loadtest.compare import compare, ratio
+from loadtest.plots import write_plots
+from loadtest.report import ReportError, build_report, load_report, write_report
+from loadtest.stats import LevelResult
+
+
+def level(model: str, heads: int, mode: str, value: float, p50: float, rps: float, **extra) -> LevelResult:
+    latency = {"p50": p50, "p90": p50 * 1.5, "p95": p50 * 1.8, "p99": p50 * 2.5, "max": p50 * 4, "mean": p50 * 1.1}
+    return LevelResult(
+        model=model,
+        heads=heads,
+        head_dim=32 // heads,
+        d_model=32,
+        mode=mode,
+        concurrency=int(value) if mode == "closed" else 64,
+        offered_rate=value if mode == "open" else 0.0,
+        batch_size=1,
+        duration_s=2.0,
+        sent=int(rps * 2) + 3,
+        ok=int(rps * 2),
+        errors={"503": 2, "timeout": 1},
+        throughput_rps=rps,
+        sequences_per_s=rps,
+        latency_ms=latency,
+        error_examples={"503": "over capacity"},
+        **extra,
+    )
+
+
+def sample_results(scale: float = 1.0) -> list[LevelResult]:
+    out = []
+    for heads in (2, 4):
+        name = f"mha-h{heads}-d32"
+        for c in (1, 8):
+            out.append(level(name, heads, "closed", c, p50=heads * c * scale, rps=100.0 * c / heads))
+        server = {"metric": "lat_ms", "count": 99, "p50": 1.0, "p90": 2.0, "p95": 2.5, "p99": 3.0}
+        out.append(level(name, heads, "open", 50.0, p50=heads * 3.0 * scale, rps=49.0, dropped=1, server=server))
+    return out
+
+
+def test_report_files_round_trip(tmp_path):
+    results = sample_results()
+    report = build_report({"status": "complete", "url": "http://127.0.0.1:1"}, results, ["a note"])
+    plots = write_plots(results, tmp_path)
+    write_report(tmp_path, report, results, plots)
+
+    meta, loaded = load_report(tmp_path)
+    assert loaded == results and meta["status"] == "complete" and meta["notes"] == ["a note"]
+    assert load_report(tmp_path / "report.json")[1] == results
+
+    with (tmp_path / "report.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == len(results)
+    for row, r in zip(rows, results, strict=True):
+        assert (row["model"], row["level"], int(row["ok"])) == (r.model, r.level, r.ok)
+        assert float(row["p99_ms"]) == r.latency_ms["p99"] and float(row["throughput_rps"]) == r.throughput_rps
+        assert row["errors"] == "503:2;timeout:1" and int(row["errors_total"]) == 3
+        assert row["server_p99_ms"] == ("3.0" if r.mode == "open" else "")
+
+    md = (tmp_path / "report.md").read_text()
+    assert md.count("| mha-h2-d32 |") == 3 + 6  # three levels in the main table, two error kinds per level
+    assert "server p99 ms" in md and "over capacity" in md and "- a note" in md
+    for name in plots:
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"({name})" in md
+    assert sorted(plots) == ["latency_throughput.png", "latency_vs_heads.png", "throughput_vs_concurrency.png"]
+
+
+def test_a_report_with_nothing_measured_still_writes_and_says_so(tmp_path):
+    write_report(tmp_path, build_report({"status": "failed"}, [], []), [], write_plots([], tmp_path))
+    assert "Nothing was measured." in (tmp_path / "report.md").read_text()
+    assert json.loads((tmp_path / "report.json").read_text())["levels"] == []
+    assert not list(tmp_path.glob("*.png"))
+
+
+def test_compare_gives_b_over_a_ratios_for_matching_levels():
+    a, b = sample_results(1.0), sample_results(2.0)
+    b = [r for r in b if not (r.model == "mha-h4-d32" and r.level == "c=8")]
+    rows, only = compare(a, b)
+    assert len(rows) == len(a) - 1
+    assert only == ["only in A: mha-h4-d32 c=8"]
+    for row in rows:
+        assert row.values["p50"][2] == pytest.approx(2.0)
+        assert row.values["p99"][2] == pytest.approx(2.0)
+        assert row.values["throughput_rps"][2] == pytest.approx(1.0)
+    assert math.isnan(ratio(0.0, 1.0)) and math.isnan(ratio(math.nan, 1.0))
+
+
+def test_compare_cli_prints_and_writes_the_side_by_side_table(tmp_path, capsys):
+    for name, scale in (("a", 1.0), ("b", 0.5)):
+        results = sample_results(scale)
+        write_report(tmp_path / name, build_report({"status": "complete"}, results, []), results, [])
+    assert main(["--compare", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "cmp")]) == 0
+    printed = capsys.readouterr().out
+    assert "| mha-h2-d32 | 2 | c=8 |" in printed and "0.50" in printed
+    data = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    assert len(data["rows"]) == 6 and data["unmatched"] == []
+    assert (tmp_path / "cmp" / "compare.md").read_text() == printed.rstrip("\n") + "\n"
+
+
+def test_loading_something_that_is_not_a_report_is_a_clear_error(tmp_path, capsys):
+    (tmp_path / "report.json").write_text('{"hello": 1}')
+    with pytest.raises(ReportError, match="no 'levels' list"):
+        load_report(tmp_path)
+    assert main(["--compare", str(tmp_path), str(tmp_path / "missing")]) == 2
+    assert "no 'levels' list" in capsys.readouterr().err

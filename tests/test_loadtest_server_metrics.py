@@ -1,0 +1,73 @@
+"""Server-side latency from Prometheus text: parsing histograms, deltas between scrapes, bucket quantiles."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from loadtest.server_metrics import Histogram, bucket_quantile, parse_histogram, server_percentiles, unit_scale
+
+BOUNDS = [1.0, 2.0, 5.0, 10.0, 25.0, 50.0, 100.0]
+
+
+def exposition(samples_by_model: dict[str, list[float]], name: str = "lat_ms", replicas: int = 2) -> str:
+    """Prometheus text for a histogram of these samples, split across replicas (as Ray exports it)."""
+    lines = [f"# HELP {name} latency", f"# TYPE {name} histogram", 'other_metric_bucket{le="1"} 99']
+    for model, samples in samples_by_model.items():
+        for replica in range(replicas):
+            part = samples[replica::replicas]
+            for le in [*BOUNDS, math.inf]:
+                count = sum(1 for s in part if s <= le)
+                le_text = "+Inf" if math.isinf(le) else str(le)
+                labels = f'model="{model}",replica="r{replica}",note="a \\"quoted\\" value",le="{le_text}"'
+                lines.append(f"{name}_bucket{{{labels}}} {float(count)}")
+            lines.append(f'{name}_count{{model="{model}",replica="r{replica}"}} {float(len(part))}')
+    return "\n".join(lines) + "\n"
+
+
+def test_histogram_buckets_are_summed_over_replicas_per_model():
+    samples = {"mha-h2-d32": [0.5, 3.0, 3.0, 7.0, 200.0], "mha-h4-d32": [1.5]}
+    hist = parse_histogram(exposition(samples), "lat_ms")
+    assert set(hist.buckets) == {"mha-h2-d32", "mha-h4-d32"}
+    assert hist.count("mha-h2-d32") == 5 and hist.count("mha-h4-d32") == 1
+    assert hist.buckets["mha-h2-d32"][5.0] == 3
+    assert hist.count("absent") == 0
+    assert parse_histogram(exposition(samples), "no_such_metric").buckets == {}
+
+
+def test_bucket_quantile_interpolates_inside_the_bucket_like_promql():
+    buckets = {1.0: 0.0, 2.0: 10.0, math.inf: 10.0}
+    assert bucket_quantile(buckets, 0.5) == pytest.approx(1.5)
+    assert bucket_quantile(buckets, 1.0) == pytest.approx(2.0)
+    assert bucket_quantile({1.0: 2.0, math.inf: 4.0}, 0.9) == 1.0  # in the +Inf bucket: the highest finite bound
+    assert math.isnan(bucket_quantile({math.inf: 0.0}, 0.5))
+
+
+@pytest.mark.parametrize("q", [50, 90, 95, 99])
+def test_bucket_quantiles_are_within_one_bucket_of_the_exact_percentile(q):
+    samples = np.random.default_rng(q).uniform(0.0, 60.0, size=5000)
+    hist = parse_histogram(exposition({"m": samples.tolist()}), "lat_ms")
+    exact = float(np.percentile(samples, q))
+    bounds = [0.0, *BOUNDS]
+    lo = max(b for b in bounds if b <= exact)
+    hi = min(b for b in [*BOUNDS, math.inf] if b >= exact)
+    assert lo <= bucket_quantile(hist.buckets["m"], q / 100) <= hi
+
+
+def test_server_percentiles_use_only_what_was_observed_between_two_scrapes():
+    before = parse_histogram(exposition({"m": [90.0] * 100}), "lat_ms")  # slow requests before the level
+    after = parse_histogram(exposition({"m": [90.0] * 100 + [1.5] * 40}), "lat_ms")
+    out = server_percentiles(before, after, "m", "lat_ms")
+    assert out["count"] == 40
+    assert 1.0 <= out["p50"] <= 2.0 and 1.0 <= out["p99"] <= 2.0  # the earlier 90 ms requests are not counted
+    assert "note" in server_percentiles(after, after, "m", "lat_ms")
+
+
+def test_seconds_histograms_are_reported_in_milliseconds():
+    assert unit_scale("x_seconds") == 1000.0 and unit_scale("x_ms") == 1.0
+    before = Histogram({"m": {0.001: 0.0, 0.01: 0.0, math.inf: 0.0}})
+    after = Histogram({"m": {0.001: 0.0, 0.01: 10.0, math.inf: 10.0}})
+    out = server_percentiles(before, after, "m", "lat_seconds")
+    assert 1.0 <= out["p50"] <= 10.0
