@@ -34,6 +34,12 @@ class EncoderConfig:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{key} must be an integer >= 1, got {key}={value!r}")
+        if self.ff_dim is not None and (
+            isinstance(self.ff_dim, bool) or not isinstance(self.ff_dim, int) or self.ff_dim < 1
+        ):
+            raise ValueError(f"ff_dim must be an integer >= 1 (or None for 4 * d_model), got ff_dim={self.ff_dim!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got dropout={self.dropout!r}")
         if len(self.labels) != self.num_classes:
             raise ValueError(f"{len(self.labels)} labels given for num_classes={self.num_classes}")
 
