@@ -1,0 +1,119 @@
+"""deploy/serve_config.yaml: the single source of the cluster application, embedded verbatim by the RayService,
+valid for Ray Serve and for the service's AppConfig, one deployment per default head configuration, and placeable.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+from ray.serve.schema import ServeDeploySchema
+
+from export.metadata import config_name
+from export.settings import DEFAULT_HEADS
+from service.config import AppConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVE_CONFIG = ROOT / "deploy" / "serve_config.yaml"
+RAYSERVICE = ROOT / "deploy" / "k8s" / "base" / "rayservice.yaml"
+DEFAULT_NAMES = [config_name(h, 512) for h in DEFAULT_HEADS]  # mha-h1-d512 ... mha-h16-d512
+
+
+def serve_config() -> dict:
+    return yaml.safe_load(SERVE_CONFIG.read_text())
+
+
+def app_args() -> dict:
+    (app,) = serve_config()["applications"]
+    return app["args"]
+
+
+def rayservice() -> dict:
+    return yaml.safe_load(RAYSERVICE.read_text())
+
+
+def worker_groups() -> dict[str, dict]:
+    return {g["groupName"]: g for g in rayservice()["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
+
+
+def test_rayservice_embeds_the_serve_config_unchanged():
+    embedded = yaml.safe_load(rayservice()["spec"]["serveConfigV2"])
+    assert embedded == serve_config()
+
+
+def test_serve_config_passes_ray_serve_schema_validation():
+    schema = ServeDeploySchema.model_validate(serve_config())
+    (app,) = schema.applications
+    assert app.import_path == "service.app:build_app"
+    assert app.route_prefix == "/"
+
+
+def test_args_validate_against_the_service_app_config():
+    config = AppConfig.model_validate(app_args())
+    assert config.models == DEFAULT_NAMES
+    assert set(config.overrides) == set(DEFAULT_NAMES), "one deployment (with its resources) per head configuration"
+
+
+def test_a_misspelt_setting_in_the_args_is_rejected():
+    args = copy.deepcopy(app_args())
+    args["overrides"]["mha-h8-d512"]["num_gpu"] = 1
+    with pytest.raises(ValidationError, match="num_gpu"):
+        AppConfig.model_validate(args)
+
+
+def test_models_dir_is_where_the_dockerfile_puts_the_models():
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert f"COPY --from=export --chown=1000:100 /models {app_args()['models_dir']}" in dockerfile
+    assert "mha-serving export --out /models" in dockerfile
+
+
+def test_serve_http_port_is_the_one_the_serve_service_targets():
+    port = serve_config()["http_options"]["port"]
+    service = rayservice()["spec"]["serveService"]["spec"]
+    assert [p["targetPort"] for p in service["ports"]] == [port]
+    for group in worker_groups().values():
+        (container,) = group["template"]["spec"]["containers"]
+        assert {"name": "serve", "containerPort": port} in container["ports"]
+        assert container["readinessProbe"]["httpGet"]["port"] == port
+
+
+def test_gpu_head_configurations_fit_only_gpu_workers_and_cpu_ones_only_cpu_workers():
+    """Ray places a replica on a node whose advertised resources cover its request: check both directions."""
+    config = AppConfig.model_validate(app_args())
+    groups = worker_groups()
+    capacity = {
+        name: (float(g["rayStartParams"]["num-cpus"]), float(g["rayStartParams"]["num-gpus"]))
+        for name, g in groups.items()
+    }
+    gpu_models = [n for n in DEFAULT_NAMES if (config.settings_for(n).num_gpus or 0) > 0]
+    cpu_models = [n for n in DEFAULT_NAMES if n not in gpu_models]
+    assert gpu_models and cpu_models
+    gpu_cpus = sum(config.settings_for(n).num_cpus * config.settings_for(n).num_replicas for n in gpu_models)
+    gpu_gpus = sum(config.settings_for(n).num_gpus * config.settings_for(n).num_replicas for n in gpu_models)
+    assert gpu_gpus <= capacity["gpu-workers"][1], "the GPU head configurations fit one GPU worker"
+    assert gpu_cpus <= capacity["gpu-workers"][0]
+    leftover_cpus = capacity["gpu-workers"][0] - gpu_cpus
+    for name in cpu_models:
+        settings = config.settings_for(name)
+        assert settings.num_gpus == 0
+        assert settings.num_cpus <= capacity["cpu-workers"][0], f"{name} fits a CPU worker"
+        assert settings.num_cpus > leftover_cpus, f"{name} must not fit the CPUs left on a GPU worker"
+    assert capacity["cpu-workers"][1] == 0
+    assert config.ingress.num_cpus > 0, "a CPU request keeps the ingress off the head (num-cpus 0)"
+
+
+def test_autoscaled_head_configurations_fit_the_cpu_group_at_their_maximum():
+    config = AppConfig.model_validate(app_args())
+    cpu_group = worker_groups()["cpu-workers"]
+    per_pod = float(cpu_group["rayStartParams"]["num-cpus"])
+    needed = config.ingress.num_cpus * config.ingress.num_replicas
+    for name in DEFAULT_NAMES:
+        settings = config.settings_for(name)
+        if settings.num_gpus:
+            continue
+        replicas = settings.autoscaling.max_replicas if settings.autoscaling else settings.num_replicas
+        needed += settings.num_cpus * replicas
+    assert needed <= per_pod * cpu_group["maxReplicas"]
