@@ -3,16 +3,15 @@
 It validates and tokenizes requests against each model's metadata, then calls that model's deployment. No torch.
 """
 
-from __future__ import annotations
-
 import asyncio
 import json
 import time
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
+from pydantic import BaseModel, ValidationError
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
@@ -22,6 +21,7 @@ from export.metadata import ModelMetadata
 from service.config import AppConfig
 from service.deployment import InferResult, ModelStatus
 from service.errors import (
+    BadRequestError,
     BodyTooLargeError,
     ModelNotFoundError,
     NotReadyError,
@@ -33,6 +33,7 @@ from service.validation import Rows
 
 STATUS_TIMEOUT_S = 5.0  # a model deployment without a live replica answers nothing; say so instead of hanging
 BINARY_HEADER = "inference-header-content-length"
+BodyT = TypeVar("BodyT", bound=BaseModel)
 
 
 def json_response(body: Any, status: int = 200) -> Response:
@@ -66,27 +67,8 @@ async def _service_error(_: Request, exc: ServiceError) -> Response:
 
 
 @app.exception_handler(RequestValidationError)
-async def _invalid_request(request: Request, exc: RequestValidationError) -> Response:
-    header = request.headers.get(BINARY_HEADER)
-    if header is not None and header != request.headers.get("content-length"):
-        return json_response({"error": "binary tensor data is not supported; send JSON tensor data"}, 400)
-    errors = exc.errors()
-    first = errors[0] if errors else {}
-    if first.get("type") == "json_invalid" or isinstance(first.get("input"), bytes | bytearray):
-        return json_response({"error": f"malformed JSON body: {_json_problem(await request.body())}"}, 400)
-    problems = []
-    for err in errors[:5]:
-        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
-        problems.append(f"{where}: {err.get('msg', 'invalid')}")
-    return json_response({"error": "invalid request: " + "; ".join(problems)}, 400)
-
-
-def _json_problem(body: bytes) -> str:
-    try:
-        json.loads(body)
-    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
-        return str(exc)
-    return "the body must be a JSON object"
+async def _invalid_request(_: Request, exc: RequestValidationError) -> Response:
+    return json_response({"error": "invalid request: " + _describe_errors(exc.errors())}, 400)
 
 
 @app.exception_handler(HTTPException)
@@ -109,6 +91,30 @@ def _describe(status: ModelStatus) -> dict[str, Any]:
     else:
         out["error"] = status.reason
     return out
+
+
+def parse_body(raw: bytes, model: type[BodyT]) -> BodyT:
+    """The JSON body as `model`, whatever the Content-Type (curl -d sends form-encoded); 400 naming the problem."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        errors = exc.errors()
+        if errors and errors[0].get("type") == "json_invalid":
+            raise BadRequestError(f"malformed JSON body: {errors[0].get('msg', '')}") from None
+        raise BadRequestError("invalid request: " + _describe_errors(errors)) from None
+
+
+def _describe_errors(errors: list) -> str:
+    problems = []
+    for err in errors[:5]:
+        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
+        problems.append(f"{where}: {err.get('msg', 'invalid')}")
+    return "; ".join(problems)
+
+
+def _openapi_body(model: type[BaseModel]) -> dict[str, Any]:
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
 async def _awaited(response):
@@ -155,6 +161,16 @@ class Ingress:
         except BackPressureError as exc:
             raise OverCapacityError(f"model {name!r} is over capacity (its queue is full); retry later") from exc
 
+    async def _body(self, request: Request, model: type[BodyT]) -> BodyT:
+        raw = await request.body()
+        limit = self._config.limits.max_body_bytes
+        if len(raw) > limit:  # a body sent without Content-Length (chunked) is checked here
+            raise BodyTooLargeError(f"request body of {len(raw)} bytes is over the limit of {limit} bytes")
+        header = request.headers.get(BINARY_HEADER)
+        if header is not None and header.strip() != str(len(raw)):
+            raise BadRequestError("binary tensor data is not supported; send JSON tensor data (binary_data=False)")
+        return parse_body(raw, model)
+
     @staticmethod
     def _check_version(name: str, version: str | None) -> None:
         if version is not None and version != v2.MODEL_VERSION:
@@ -195,10 +211,11 @@ class Ingress:
             return json_response({"name": name, "ready": False, "error": status.reason}, 503)
         return json_response({"name": name, "ready": True})
 
-    @app.post("/v2/models/{name}/infer")
-    @app.post("/v2/models/{name}/versions/{version}/infer")
-    async def infer(self, name: str, body: v2.InferRequest, version: str | None = None) -> Response:
+    @app.post("/v2/models/{name}/infer", openapi_extra=_openapi_body(v2.InferRequest))
+    @app.post("/v2/models/{name}/versions/{version}/infer", openapi_extra=_openapi_body(v2.InferRequest))
+    async def infer(self, name: str, request: Request, version: str | None = None) -> Response:
         self._check_version(name, version)
+        body = await self._body(request, v2.InferRequest)
         meta: ModelMetadata = (await self._ready_model(name)).metadata
         v2.requested_outputs(body)
         result = await self._infer(name, v2.decode(body, meta, self._config.limits.max_rows))
@@ -210,9 +227,10 @@ class Ingress:
         statuses = await asyncio.gather(*(self._status(n) for n in self._handles))
         return json_response({"models": [_describe(s) for s in statuses]})
 
-    @app.post("/v1/models/{name}/predict")
-    async def predict(self, name: str, body: simple.PredictRequest) -> Response:
+    @app.post("/v1/models/{name}/predict", openapi_extra=_openapi_body(simple.PredictRequest))
+    async def predict(self, name: str, request: Request) -> Response:
         start = time.perf_counter()
+        body = await self._body(request, simple.PredictRequest)
         status = await self._ready_model(name)
         result = await self._infer(name, simple.decode(body, status.metadata, self._config.limits.max_rows))
         timing = {

@@ -1,0 +1,179 @@
+"""`mha-serving serve`: an embedded local Ray, Serve on host:port, the application from `build_app`, then block.
+
+Ctrl-C or SIGTERM shuts Serve and Ray down. Errors a user can fix are one line on stderr and exit code 2. No torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import yaml
+from pydantic import ValidationError
+
+from service.config import AppConfig
+from service.errors import ModelFileError
+from service.model_store import find_models
+
+APP_NAME = "mha"
+DEFAULT_PORT = 8000
+DEFAULT_METRICS_PORT = 8080  # Ray's metrics export port: every replica's series on one /metrics URL
+
+
+class LaunchError(RuntimeError):
+    """Something the user can fix before the service can start (one line, exit code 2)."""
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="mha-serving serve", description=__doc__.splitlines()[0])
+    p.add_argument("--models", help="folder with one sub-folder per exported model (default: models, or the config's)")
+    p.add_argument("--backend", choices=("auto", "cpu", "gpu"), help="ONNX Runtime backend (default: auto)")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP host (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"HTTP port (default: {DEFAULT_PORT})")
+    p.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT, help="Prometheus port (default: 8080)")
+    p.add_argument("--config", type=Path, help="YAML: AppConfig fields, or a Serve config file (its first app's args)")
+    p.add_argument("--num-cpus", type=float, help="logical CPUs for the local Ray (default: enough for every replica)")
+    p.add_argument("--dashboard", action="store_true", help="start Ray's dashboard too")
+    p.add_argument("--access-log", action="store_true", help="log every request (off by default: it costs latency)")
+    return p.parse_args(argv)
+
+
+def load_config(args: argparse.Namespace) -> AppConfig:
+    raw: dict = {}
+    if args.config is not None:
+        try:
+            raw = yaml.safe_load(args.config.read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise LaunchError(f"cannot read config {args.config}: {exc}") from exc
+        if "applications" in raw:  # a Serve config file: take the first application's args
+            raw = (raw["applications"] or [{}])[0].get("args") or {}
+    if args.models is not None:
+        raw["models_dir"] = args.models
+    if args.backend is not None:
+        raw["backend"] = args.backend
+    try:
+        return AppConfig.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise LaunchError(f"invalid config: {where}: {first['msg']}") from exc
+
+
+def check_port(host: str, port: int, what: str, flag: str) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise LaunchError(
+                f"{what} port {port} on {host} is in use or not available ({exc.strerror}); pass {flag}"
+            ) from None
+
+
+def cpus_needed(config: AppConfig, names: list[str]) -> float:
+    per_model = sum(config.settings_for(n).num_cpus * config.settings_for(n).num_replicas for n in names)
+    return per_model + config.ingress.num_cpus * config.ingress.num_replicas + 1  # +1: Serve's controller and proxy
+
+
+def start(config: AppConfig, args: argparse.Namespace) -> None:
+    import ray
+    from ray import serve
+
+    from service.app import build_app
+
+    names = find_models(config.models_dir, config.models)
+    num_cpus = args.num_cpus or max(float(os.cpu_count() or 1), cpus_needed(config, names))
+    print(f"mha-serving: starting Ray ({num_cpus:g} logical CPUs) and Serve with {len(names)} model(s)...", flush=True)
+    ray.init(
+        address="local",
+        num_cpus=num_cpus,
+        include_dashboard=args.dashboard,
+        _metrics_export_port=args.metrics_port,
+        configure_logging=False,
+        log_to_driver=args.access_log,
+    )
+    signal.signal(signal.SIGTERM, _interrupt)  # after ray.init, which installs its own handler
+    serve.start(http_options={"host": args.host, "port": args.port})
+    logging = {"enable_access_log": args.access_log, "log_level": "INFO" if args.access_log else "WARNING"}
+    serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False, logging_config=logging)
+
+
+def report(args: argparse.Namespace) -> None:
+    import httpx
+
+    base = f"http://{args.host}:{args.port}"
+    models = httpx.get(f"{base}/v1/models", timeout=30).json()["models"]
+    print(f"mha-serving: serving on {base}")
+    for label, path in [
+        ("v2 (Open Inference Protocol)", "/v2/models/{name}/infer"),
+        ("simple JSON", "/v1/models/{name}/predict"),
+        ("model list", "/v1/models"),
+        ("OpenAPI docs", "/docs"),
+    ]:
+        print(f"  {label:<30} {base}{path}")
+    print(f"  {'metrics (Prometheus)':<30} http://{args.host}:{args.metrics_port}/metrics")
+    for m in models:
+        if m["ready"]:
+            print(
+                f"  model {m['name']}: h={m['heads']} head_dim={m['head_dim']} d_model={m['d_model']} on {m['backend']}"
+            )
+        else:
+            print(f"  model {m['name']}: NOT READY: {m['error']}")
+    print("Ctrl-C to stop.", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        config = load_config(args)
+        find_models(config.models_dir, config.models)
+        check_port(args.host, args.port, "HTTP", "--port")
+        check_port("127.0.0.1", args.metrics_port, "metrics", "--metrics-port")
+    except (LaunchError, ModelFileError) as exc:
+        print(f"mha-serving serve: {exc}", file=sys.stderr)
+        return 2
+    try:
+        start(config, args)
+        report(args)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("\nmha-serving: shutting down...", file=sys.stderr)
+        return 0
+    except RuntimeError as exc:  # Serve's deploy failure: a replica raised at start (e.g. backend gpu without one)
+        print(f"mha-serving serve: the application failed to start: {_first_reason(exc)}", file=sys.stderr)
+        return 1
+    finally:
+        shutdown()
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # SIGTERM shuts down like Ctrl-C
+
+
+def _first_reason(exc: Exception) -> str:
+    text = str(exc)
+    for line in text.splitlines():
+        if "BackendError:" in line or "Error:" in line:
+            return line.strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def shutdown() -> None:
+    import ray
+    from ray import serve
+
+    if ray.is_initialized():
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
