@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import httpx
 
-DEFAULT_METRIC = "ray_mha_request_latency_ms"
+DEFAULT_METRIC = "ray_serve_deployment_processing_latency_ms"  # Ray Serve's own, per deployment (= model)
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
