@@ -1,0 +1,294 @@
+"""A real two-node Ray cluster on this machine, deployed like KubeRay does it: `serve deploy` of
+deploy/serve_config.yaml (adapted to tiny models), requests to every head configuration, placement by Ray
+resources (the second node advertises a logical GPU, standing in for a GPU worker), and recovery after that node
+is killed and comes back. Only processes this test starts are stopped, by PID, at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+pytestmark = [pytest.mark.slow, pytest.mark.serve]
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+STEP_TIMEOUT_S = 240.0  # each wait below (start, deploy, recover) is bounded by this
+GPU_MODEL, CPU_MODEL = "mha-h4-d32", "mha-h2-d32"  # the conftest's tiny models
+GPU_TEMPLATE, CPU_TEMPLATE = "mha-h8-d512", "mha-h1-d512"  # real head configurations whose settings they take
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(what: str, check: Callable[[], object], timeout_s: float = STEP_TIMEOUT_S, every_s: float = 1.0):
+    """Poll `check` until it returns something truthy; fail saying what did not happen (and the last error)."""
+    deadline, last = time.monotonic() + timeout_s, None
+    while time.monotonic() < deadline:
+        try:
+            result = check()
+            if result:
+                return result
+        except Exception as exc:  # a poll that fails is retried until the deadline; the last error is reported
+            last = exc
+        time.sleep(every_s)
+    pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what} (last error: {last!r})")
+
+
+# ---- processes: ours only, found by PID ----
+def child_map() -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    return children
+
+
+def process_tree(pid: int) -> list[int]:
+    children, tree, todo = child_map(), [pid], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        tree += kids
+        todo += kids
+    return tree
+
+
+def pids_mentioning(marker: str) -> list[int]:
+    """Processes whose command line names `marker` (this test's own, unique temp dir)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if marker.encode() in cmdline.read_bytes():
+                found.append(int(cmdline.parent.name))
+        except OSError:
+            continue
+    return found
+
+
+def signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # gone already, or not ours to signal
+            os.kill(pid, sig)
+
+
+# ---- the cluster ----
+@dataclass
+class Node:
+    """One `ray start --block` process (its Ray processes are its descendants) and its own temp dir."""
+
+    name: str
+    proc: subprocess.Popen
+    temp_dir: Path
+
+
+@dataclass
+class LocalCluster:
+    root: Path
+    nodes: list[Node] = field(default_factory=list)
+    gcs_port: int = field(default_factory=free_port)
+    dashboard_port: int = field(default_factory=free_port)
+    http_port: int = field(default_factory=free_port)
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {
+            **os.environ,
+            "RAY_AUTH_MODE": "disabled",  # trusted local setup on 127.0.0.1 (Ray 2.60 defaults to token auth)
+            "RAY_USAGE_STATS_ENABLED": "0",
+            "RAY_health_check_period_ms": "1000",  # notice a killed node in seconds, not tens of seconds
+            "RAY_health_check_failure_threshold": "3",
+        }
+
+    @property
+    def dashboard(self) -> str:
+        return f"http://127.0.0.1:{self.dashboard_port}"
+
+    def start(self, name: str, cpus: float, gpus: float, head: bool = False) -> Node:
+        temp_dir = Path(tempfile.mkdtemp(prefix=f"{name[:3]}", dir=self.root))
+        ports = {
+            "--node-manager-port": free_port(),
+            "--object-manager-port": free_port(),
+            "--metrics-export-port": free_port(),
+            "--dashboard-agent-listen-port": free_port(),
+            "--dashboard-agent-grpc-port": free_port(),
+            "--runtime-env-agent-port": free_port(),
+        }
+        args = [str(BIN / "ray"), "start", "--block", "--disable-usage-stats", "--node-ip-address=127.0.0.1"]
+        args += [f"--num-cpus={math.ceil(cpus)}", f"--num-gpus={math.ceil(gpus)}", "--object-store-memory=100000000"]
+        args += [f"--temp-dir={temp_dir}", *(f"{flag}={port}" for flag, port in ports.items())]
+        if head:
+            args += ["--head", f"--port={self.gcs_port}", f"--ray-client-server-port={free_port()}"]
+            # `serve deploy` (like KubeRay) submits through the dashboard's REST API: loopback only
+            args += [
+                "--include-dashboard=true",
+                "--dashboard-host=127.0.0.1",
+                f"--dashboard-port={self.dashboard_port}",
+            ]
+        else:
+            args += [f"--address=127.0.0.1:{self.gcs_port}"]
+        log = (self.root / f"{name}.log").open("ab")
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+        node = Node(name, proc, temp_dir)
+        self.nodes.append(node)
+        return node
+
+    def kill(self, node: Node, sig: int = signal.SIGKILL) -> None:
+        """Every process of this node (its tree and anything naming its temp dir), like a pod that disappears."""
+        pids = set(process_tree(node.proc.pid)) | set(pids_mentioning(str(node.temp_dir)))
+        signal_all(sorted(pids), sig)
+        try:
+            node.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            signal_all(process_tree(node.proc.pid), signal.SIGKILL)
+            node.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        for node in reversed(self.nodes):
+            if node.proc.poll() is None:
+                self.kill(node, signal.SIGTERM)
+        time.sleep(1)
+        leftovers = {p for n in self.nodes for p in pids_mentioning(str(n.temp_dir))}
+        signal_all(sorted(leftovers), signal.SIGKILL)
+
+    def get(self, path: str) -> dict:
+        response = httpx.get(f"{self.dashboard}{path}", timeout=10)
+        response.raise_for_status()
+        return response.json()
+
+    def alive_nodes(self) -> list[dict]:
+        nodes = self.get("/api/v0/nodes?limit=100")["data"]["result"]["result"]
+        return [n for n in nodes if n["state"] == "ALIVE"]
+
+    def replicas(self, app: str) -> dict[str, list[dict]]:
+        deployments = self.get("/api/serve/applications/")["applications"][app]["deployments"]
+        return {name: [r for r in d["replicas"] if r["state"] == "RUNNING"] for name, d in deployments.items()}
+
+
+@pytest.fixture
+def cluster() -> Iterator[LocalCluster]:
+    root = Path(tempfile.mkdtemp(prefix="rdc", dir="/tmp"))  # short: Ray's socket paths live under it
+    local = LocalCluster(root)
+    try:
+        yield local
+    finally:
+        local.stop()
+        logs = {p.name: p.read_text(errors="replace")[-2000:] for p in root.glob("*.log")}
+        if any("Traceback" in text or "Error" in text for text in logs.values()):
+            print("ray start logs:", logs)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+# ---- the application ----
+def adapted_serve_config(models_dir: Path, http_port: int) -> dict:
+    """deploy/serve_config.yaml with only what a one-machine run must change: the models (two tiny ones taking
+    the settings of one real GPU and one real CPU head configuration), and the HTTP proxy on the head only (two
+    nodes on one host cannot both listen on one port)."""
+    config = copy.deepcopy(yaml.safe_load((ROOT / "deploy" / "serve_config.yaml").read_text()))
+    config["proxy_location"] = "HeadOnly"
+    config["http_options"] = {**config["http_options"], "host": "127.0.0.1", "port": http_port}
+    (app,) = config["applications"]
+    args = app["args"]
+    overrides = args["overrides"]
+    args["models_dir"] = str(models_dir)
+    args["models"] = [CPU_MODEL, GPU_MODEL]
+    args["overrides"] = {GPU_MODEL: overrides[GPU_TEMPLATE], CPU_MODEL: overrides[CPU_TEMPLATE]}
+    return config
+
+
+def resources_for(config: dict) -> tuple[float, float, float]:
+    """(CPUs the head must advertise, CPUs and GPUs of the GPU node): exactly what the adapted app requests."""
+    args = config["applications"][0]["args"]
+    gpu, cpu, ingress = args["overrides"][GPU_MODEL], args["overrides"][CPU_MODEL], args["ingress"]
+    head_cpus = cpu["num_cpus"] * cpu["num_replicas"] + ingress["num_cpus"] * ingress["num_replicas"]
+    return head_cpus, gpu["num_cpus"] * gpu["num_replicas"], gpu["num_gpus"] * gpu["num_replicas"]
+
+
+def predict(cluster: LocalCluster, model: str, text: str = "heads in a cluster") -> httpx.Response:
+    url = f"http://127.0.0.1:{cluster.http_port}/v1/models/{model}/predict"
+    return httpx.post(url, json={"text": text}, timeout=10)
+
+
+def answered(cluster: LocalCluster, model: str) -> dict | None:
+    try:
+        response = predict(cluster, model)
+    except httpx.HTTPError:
+        return None
+    return response.json() if response.status_code == 200 else None
+
+
+def placement(cluster: LocalCluster) -> dict[str, set[str]]:
+    """Deployment -> ids of the nodes its running replicas are on."""
+    return {name: {r["node_id"] for r in replicas} for name, replicas in cluster.replicas("mha").items()}
+
+
+def test_serve_config_deploys_on_two_nodes_places_by_resources_and_recovers_a_lost_node(cluster, tiny_models_dir):
+    config = adapted_serve_config(tiny_models_dir, cluster.http_port)
+    head_cpus, gpu_node_cpus, gpu_node_gpus = resources_for(config)
+    assert gpu_node_gpus > 0
+    cluster.start("head", cpus=head_cpus, gpus=0, head=True)
+    wait_for("the head's dashboard", lambda: cluster.alive_nodes())
+    cluster.start("gpu-node", cpus=gpu_node_cpus, gpus=gpu_node_gpus)
+    wait_for("two alive nodes", lambda: len(cluster.alive_nodes()) == 2)
+
+    config_file = cluster.root / "serve_config.yaml"
+    config_file.write_text(yaml.safe_dump(config))
+    deploy = subprocess.run(
+        [str(BIN / "serve"), "deploy", str(config_file), "--address", cluster.dashboard],
+        env=cluster.env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert deploy.returncode == 0, deploy.stdout + deploy.stderr
+
+    # every head configuration answers, through the one proxy, with the model it was asked for
+    first = {m: wait_for(f"{m} to answer", lambda m=m: answered(cluster, m)) for m in (CPU_MODEL, GPU_MODEL)}
+    for model, body in first.items():
+        assert body["model"] == model and len(body["logits"][0]) == len(body["labels"])
+
+    # placement: the GPU head configuration on the node with the (logical) GPU, the rest on the head
+    nodes = {n["node_id"]: n for n in cluster.alive_nodes()}
+    gpu_nodes = {i for i, n in nodes.items() if n["resources_total"].get("GPU", 0) > 0}
+    head_nodes = {i for i, n in nodes.items() if n["is_head_node"]}
+    where = placement(cluster)
+    assert where[GPU_MODEL] and where[GPU_MODEL] <= gpu_nodes, (where, nodes)
+    assert where[CPU_MODEL] and where[CPU_MODEL] <= head_nodes, (where, nodes)
+    assert where["ingress"] and where["ingress"] <= head_nodes, (where, nodes)
+
+    # lose the GPU node: its head configuration stops answering, the others keep going
+    (lost,) = [n for n in cluster.nodes if n.name == "gpu-node"]
+    cluster.kill(lost)
+    wait_for("the GPU node to be seen as dead", lambda: len(cluster.alive_nodes()) == 1)
+    wait_for(f"{GPU_MODEL} to stop answering", lambda: answered(cluster, GPU_MODEL) is None, timeout_s=60)
+    assert answered(cluster, CPU_MODEL) is not None, "the CPU head configuration must survive the GPU node's loss"
+
+    # the node comes back (a new pod): Serve places the replica there again and the same model answers the same
+    cluster.start("gpu-node-2", cpus=gpu_node_cpus, gpus=gpu_node_gpus)
+    again = wait_for(f"{GPU_MODEL} to answer again", lambda: answered(cluster, GPU_MODEL))
+    assert again["logits"] == first[GPU_MODEL]["logits"]
+    nodes = {n["node_id"]: n for n in cluster.alive_nodes()}
+    new_gpu_nodes = {i for i, n in nodes.items() if n["resources_total"].get("GPU", 0) > 0}
+    assert new_gpu_nodes and not (new_gpu_nodes & gpu_nodes), "the replacement node is a new Ray node"
+    assert placement(cluster)[GPU_MODEL] <= new_gpu_nodes
