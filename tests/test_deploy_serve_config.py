@@ -5,6 +5,7 @@ valid for Ray Serve and for the service's AppConfig, one deployment per default 
 from __future__ import annotations
 
 import copy
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -41,7 +42,19 @@ def worker_groups() -> dict[str, dict]:
 
 def test_rayservice_embeds_the_serve_config_unchanged():
     embedded = yaml.safe_load(rayservice()["spec"]["serveConfigV2"])
-    assert embedded == serve_config()
+    assert embedded == serve_config(), "run `python deploy/k8s/embed_serve_config.py` after editing the Serve config"
+
+
+def test_embed_script_rewrites_only_the_serve_config_block():
+    spec = importlib.util.spec_from_file_location("embed", ROOT / "deploy" / "k8s" / "embed_serve_config.py")
+    embed = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(embed)
+    text = RAYSERVICE.read_text()
+    assert embed.embedded(text, SERVE_CONFIG.read_text()) == text, "the RayService holds the file verbatim"
+    edited = SERVE_CONFIG.read_text().replace("max_batch_size: 64", "max_batch_size: 48")
+    rewritten = yaml.safe_load(embed.embedded(text, edited))
+    assert yaml.safe_load(rewritten["spec"]["serveConfigV2"]) == yaml.safe_load(edited)
+    assert {**rewritten["spec"], "serveConfigV2": ""} == {**rayservice()["spec"], "serveConfigV2": ""}
 
 
 def test_serve_config_passes_ray_serve_schema_validation():
