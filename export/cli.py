@@ -119,7 +119,7 @@ def _build(job: Job, settings: ExportSettings, factory, exporter: dict[str, str]
     model = factory.build(job.config)
     num_classes, labels = settings.class_labels()
     defaults = dict(vocab_size=settings.vocab_size, max_len=settings.max_len, num_classes=num_classes)
-    defaults["labels"] = labels or (("negative", "positive") if num_classes == 2 else None)
+    defaults["labels"] = labels or ("negative", "positive")  # class_labels() gives None only for 2 classes
     meta = user_model.describe(model, factory.spec, defaults, settings.name_prefix, exporter)
     variant = user_model.WithAttention(model, factory.spec) if settings.attention else None
     return model, variant, meta
