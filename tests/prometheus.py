@@ -52,9 +52,10 @@ class PrometheusServer:
         self.config_path = self.workdir / "prometheus.yml"
         self.config_path.write_text(yaml.safe_dump(config))
         self.process: subprocess.Popen | None = None
+        self._log = None
 
     def __enter__(self) -> PrometheusServer:
-        log = open(self.workdir / "prometheus.log", "wb")  # noqa: SIM115 - closed with the process
+        self._log = open(self.workdir / "prometheus.log", "wb")  # closed in __exit__
         self.process = subprocess.Popen(
             [
                 self.binary,
@@ -63,7 +64,7 @@ class PrometheusServer:
                 f"--web.listen-address=127.0.0.1:{self.port}",
                 "--web.enable-lifecycle",
             ],
-            stdout=log,
+            stdout=self._log,
             stderr=subprocess.STDOUT,
         )
         deadline = time.monotonic() + 30
@@ -86,6 +87,8 @@ class PrometheusServer:
                 self.process.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self.process.kill()
+        if self._log is not None:
+            self._log.close()
         shutil.rmtree(self.workdir, ignore_errors=True)
 
     def query(self, promql: str) -> list[dict]:
