@@ -52,14 +52,13 @@ class ExportResult:
 
 
 def exporter_versions() -> dict[str, str]:
-    from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
-    return {
-        "torch": torch.__version__,
-        "onnx": onnx.__version__,
-        "opset": str(DEFAULT_ONNX_OPSET),
-        "mha_serving": version("mha-serving"),
-    }
+    try:
+        ours = version("mha-serving")
+    except PackageNotFoundError:  # run from a source tree that is not pip-installed
+        ours = "source"
+    return {"torch": torch.__version__, "onnx": onnx.__version__, "opset": str(DEFAULT_ONNX_OPSET), "mha_serving": ours}
 
 
 def one_line(exc: BaseException) -> str:
