@@ -36,25 +36,38 @@ def _parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog=PROG, argument_default=argparse.SUPPRESS, epilog=EPILOG, formatter_class=argparse.RawTextHelpFormatter
     )
-    p.add_argument("--out", help="folder that receives one sub-folder per configuration (default: models)")
-    p.add_argument("--heads", help="comma-separated head counts (default: 1,2,4,8,16)")
-    p.add_argument("--d-model", type=int, help="model width (default: 512)")
     p.add_argument(
-        "--head-dim", type=int, help="size of each head (default: d_model // h; needed when h does not divide)"
+        "--out", metavar="DIR", help="folder that receives one sub-folder per configuration (default: models)"
     )
-    p.add_argument("--layers", type=int, help="encoder blocks (default: 4)")
-    p.add_argument("--ff-dim", type=int, help="feed-forward width (default: 4 * d_model)")
-    p.add_argument("--max-len", type=int, help="longest sequence, tokens (default: 128)")
-    p.add_argument("--vocab-size", type=int, help="token ids (default: 260, the byte tokenizer's)")
-    p.add_argument("--num-classes", type=int, help="output classes (default: 2, or the number of --labels)")
-    p.add_argument("--labels", help="comma-separated class names (default: negative,positive)")
-    p.add_argument("--seed", type=int, help="torch seed set before each model is built (default: 0)")
+    p.add_argument("--heads", metavar="LIST", help="comma-separated head counts (default: 1,2,4,8,16)")
+    p.add_argument("--d-model", metavar="N", type=int, help="model width (default: 512)")
+    p.add_argument(
+        "--head-dim",
+        metavar="N",
+        type=int,
+        help="size of each head (default: d_model // h; needed when h does not divide)",
+    )
+    p.add_argument("--layers", metavar="N", type=int, help="encoder blocks (default: 4)")
+    p.add_argument("--ff-dim", metavar="N", type=int, help="feed-forward width (default: 4 * d_model)")
+    p.add_argument("--max-len", metavar="N", type=int, help="longest sequence, tokens (default: 128)")
+    p.add_argument("--vocab-size", metavar="N", type=int, help="token ids (default: 260, the byte tokenizer's)")
+    p.add_argument(
+        "--num-classes", metavar="N", type=int, help="output classes (default: 2, or the number of --labels)"
+    )
+    p.add_argument("--labels", metavar="LIST", help="comma-separated class names (default: negative,positive)")
+    p.add_argument("--seed", metavar="N", type=int, help="torch seed set before each model is built (default: 0)")
     p.add_argument("--force", action="store_true", help="replace model folders that exist (default: skip them)")
     p.add_argument("--attention", action="store_true", help="also export model.attn.onnx with per-head weights")
-    p.add_argument("--atol", type=float, help="parity gate tolerance, max abs difference (default: 1e-4)")
-    p.add_argument("--model", help="package.module:factory, your own model built with our attention layer")
-    p.add_argument("--name-prefix", help="prefix of the configuration names (default: mha)")
-    p.add_argument("--config", type=Path, help="YAML or JSON file with the same keys; flags override it")
+    p.add_argument("--atol", metavar="X", type=float, help="parity gate tolerance, max abs difference (default: 1e-4)")
+    p.add_argument(
+        "--model",
+        metavar="MODULE:FACTORY",
+        help="package.module:factory, your own model built with our attention layer",
+    )
+    p.add_argument("--name-prefix", metavar="PREFIX", help="prefix of the configuration names (default: mha)")
+    p.add_argument(
+        "--config", metavar="FILE", type=Path, help="YAML or JSON file with the same keys; flags override it"
+    )
     return p
 
 
