@@ -59,6 +59,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ready-timeout", type=float, default=30.0, help="seconds to wait for a model to be ready")
     p.add_argument("--metrics-url", default="", help="the service's Prometheus URL: adds server-side percentiles")
     p.add_argument("--metrics-name", default=server_metrics.DEFAULT_METRIC, help="server-side latency histogram")
+    p.add_argument(
+        "--metrics-match",
+        action="append",
+        default=[],
+        metavar="LABEL=VALUE",
+        help="only histogram series with this label (repeatable), e.g. application=mha",
+    )
     p.add_argument("--metrics-wait", type=float, default=20.0, help="seconds to wait for delayed metric exports")
     p.add_argument("--seed", type=int, default=0, help="seed for texts and arrival times")
     p.add_argument("--out", default="", help="report folder (default reports/<UTC timestamp>/)")
@@ -75,6 +82,13 @@ def _numbers(text: str, flag: str, kind: type) -> list:
     if any(v <= 0 for v in values):
         raise ValueError(f"{flag} {text!r}: every value must be > 0")
     return values
+
+
+def _label_pairs(items: list[str]) -> tuple[tuple[str, str], ...]:
+    pairs = tuple(tuple(item.split("=", 1)) for item in items)
+    if any(len(p) != 2 or not p[0] for p in pairs):
+        raise ValueError(f"--metrics-match takes LABEL=VALUE, got {items}")
+    return pairs  # type: ignore[return-value]
 
 
 def _levels(args: argparse.Namespace) -> tuple[Level, ...]:
@@ -114,6 +128,7 @@ def _meta(args: argparse.Namespace, argv: list[str], limits: Limits, levels: tup
         "planned_levels": [lv.label for lv in levels],
         "metrics_url": args.metrics_url,
         "metrics_name": args.metrics_name if args.metrics_url else "",
+        "metrics_match": args.metrics_match,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
         "models": [],
     }
@@ -188,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
             read_texts(seq_len.path)
         if args.batch_size < 1:
             raise WorkloadError(f"--batch-size must be >= 1, got {args.batch_size}")
+        _label_pairs(args.metrics_match)
         base_url = check_loopback(args.url, args.allow_remote)
         if args.metrics_url:
             check_loopback(args.metrics_url, args.allow_remote)
@@ -211,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         protocol=args.protocol,
         metrics_url=args.metrics_url,
         metrics_name=args.metrics_name,
+        metrics_match=_label_pairs(args.metrics_match),
         metrics_wait_s=args.metrics_wait,
         seed=args.seed,
     )

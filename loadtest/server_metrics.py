@@ -31,32 +31,35 @@ class Histogram:
         return self.buckets.get(model, {}).get(math.inf, 0.0)
 
 
-def parse_histogram(text: str, name: str, model_label: str = "model") -> Histogram:
-    """The `<name>_bucket` series of a Prometheus exposition, grouped by `model_label` (else `deployment`)."""
+def parse_histogram(text: str, name: str, match: dict[str, str] | None = None, model_label: str = "model") -> Histogram:
+    """The `<name>_bucket` series of a Prometheus exposition whose labels include `match`, grouped by `model_label`
+    (else `deployment`, which Ray Serve sets to the model's name)."""
     buckets: dict[str, dict[float, float]] = {}
     wanted = f"{name}_bucket"
     for line in text.splitlines():
-        match = _SAMPLE.match(line)
-        if not match or match.group(1) != wanted:
+        sample = _SAMPLE.match(line)
+        if not sample or sample.group(1) != wanted:
             continue
-        labels = dict(_LABEL.findall(match.group(2) or ""))
+        labels = dict(_LABEL.findall(sample.group(2) or ""))
+        if match and any(labels.get(k) != v for k, v in match.items()):
+            continue
         model = labels.get(model_label) or labels.get("deployment")
         if model is None or "le" not in labels:
             continue
         le = math.inf if labels["le"] in ("+Inf", "Inf") else float(labels["le"])
         per_model = buckets.setdefault(model, {})
-        per_model[le] = per_model.get(le, 0.0) + float(match.group(3))
+        per_model[le] = per_model.get(le, 0.0) + float(sample.group(3))
     return Histogram(buckets)
 
 
-def scrape(client: httpx.Client, url: str, name: str) -> Histogram:
+def scrape(client: httpx.Client, url: str, name: str, match: dict[str, str] | None = None) -> Histogram:
     try:
         response = client.get(url)
     except httpx.HTTPError as exc:
         raise MetricsError(f"cannot read metrics at {url}: {exc.__class__.__name__}: {exc}") from None
     if response.status_code != 200:
         raise MetricsError(f"metrics URL {url} answered {response.status_code}")
-    return parse_histogram(response.text, name)
+    return parse_histogram(response.text, name, match)
 
 
 def delta(before: Histogram, after: Histogram, model: str) -> dict[float, float]:
@@ -106,12 +109,12 @@ def server_percentiles(before: Histogram, after: Histogram, model: str, name: st
 
 
 def wait_for_count(
-    client: httpx.Client, url: str, name: str, model: str, at_least: float, timeout_s: float
+    client: httpx.Client, url: str, name: str, match: dict[str, str], model: str, at_least: float, timeout_s: float
 ) -> Histogram:
     """Scrape until `model`'s count reaches `at_least` (metrics are exported with a delay) or the timeout passes."""
     deadline = time.monotonic() + timeout_s
     while True:
-        hist = scrape(client, url, name)
+        hist = scrape(client, url, name, match)
         if hist.count(model) >= at_least or time.monotonic() >= deadline:
             return hist
         time.sleep(0.5)

@@ -32,6 +32,7 @@ class Plan:
     protocol: str = "simple"
     metrics_url: str = ""
     metrics_name: str = server_metrics.DEFAULT_METRIC
+    metrics_match: tuple[tuple[str, str], ...] = ()  # only series with these labels, e.g. (("application", "mha"),)
     metrics_wait_s: float = 20.0
     seed: int = 0
 
@@ -63,9 +64,11 @@ class _ServerSide:
         """A scrape once `model` has recorded `at_least` observations (or None when turned off)."""
         if not self.enabled:
             return None
-        name, url = self.plan.metrics_name, self.plan.metrics_url
+        name, url, match = self.plan.metrics_name, self.plan.metrics_url, dict(self.plan.metrics_match)
         try:
-            hist = server_metrics.wait_for_count(self.client, url, name, model, at_least, self.plan.metrics_wait_s)
+            hist = server_metrics.wait_for_count(
+                self.client, url, name, match, model, at_least, self.plan.metrics_wait_s
+            )
         except server_metrics.MetricsError as exc:
             self._off(str(exc))
             return None
@@ -97,15 +100,16 @@ async def _run_model(model: ModelInfo, plan: Plan, outcome: Outcome, stop, progr
     for level in plan.levels:
         if stop.is_set():
             return
+        warm_sent = warm_ok = 0
         if plan.limits.warmup_s > 0:
-            warm = await _phase(
-                target, level, plan, plan.limits.warmup_s, stop, progress, f"{model.name} {level.label} warm-up"
-            )
+            label = f"{model.name} {level.label} warm-up"
+            warm = await _phase(target, level, plan, plan.limits.warmup_s, stop, progress, label)
+            warm_sent, warm_ok = warm.sent, warm.ok
             seen_ok += warm.ok
         before = await asyncio.to_thread(server.settle, model.name, seen_ok)
         rec = await _phase(target, level, plan, plan.limits.duration_s, stop, progress, f"{model.name} {level.label}")
         seen_ok += rec.ok
-        result = rec.result(target, level)
+        result = replace(rec.result(target, level), warmup_sent=warm_sent, warmup_ok=warm_ok)
         after = await asyncio.to_thread(server.settle, model.name, seen_ok) if before else None
         if before and after:
             result = replace(
@@ -124,6 +128,11 @@ async def _run_model(model: ModelInfo, plan: Plan, outcome: Outcome, stop, progr
 async def run_session(plan: Plan, outcome: Outcome, stop: asyncio.Event, progress: Progress) -> None:
     """Measure every model at every level, appending to `outcome` as it goes; stops early when `stop` is set."""
     server = _ServerSide(plan, outcome)
+    if server.enabled:
+        progress.note(
+            f"server-side latency from {plan.metrics_url} ({plan.metrics_name}): after each phase, waiting up to "
+            f"{plan.metrics_wait_s:g} s for the service's metrics to catch up (Ray exports them every ~10 s)"
+        )
     try:
         for model in plan.models:
             if stop.is_set():

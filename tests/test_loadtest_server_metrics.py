@@ -71,3 +71,10 @@ def test_seconds_histograms_are_reported_in_milliseconds():
     after = Histogram({"m": {0.001: 0.0, 0.01: 10.0, math.inf: 10.0}})
     out = server_percentiles(before, after, "m", "lat_seconds")
     assert 1.0 <= out["p50"] <= 10.0
+
+
+def test_series_can_be_restricted_to_matching_labels():
+    text = exposition({"m": [1.5, 1.5]}) + exposition({"m": [30.0]}).replace('model="m"', 'model="m",app="other"')
+    assert parse_histogram(text, "lat_ms").count("m") == 3
+    assert parse_histogram(text, "lat_ms", match={"app": "other"}).count("m") == 1
+    assert parse_histogram(text, "lat_ms", match={"app": "absent"}).buckets == {}
