@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,9 +82,23 @@ class Runtime:
         return logits
 
 
+def preload_cuda_libraries() -> None:
+    """Load CUDA/cuDNN from the nvidia-* pip packages (`onnxruntime-gpu[cuda,cudnn]`) if they are installed.
+
+    Without this, ORT finds only system-wide CUDA libraries and silently falls back to CPU; failures here are not
+    fatal: the provider check after the session is created reports what really happened.
+    """
+    preload = getattr(ort, "preload_dlls", None)  # onnxruntime >= 1.21
+    if preload is not None:
+        with contextlib.suppress(Exception):  # best effort; the active-provider check after loading is the judge
+            preload()
+
+
 def load_runtime(models_dir: str | Path, name: str, backend: str, threads: int) -> Runtime:
     """Open `models_dir/name/model.onnx` on the requested backend; ModelFileError or BackendError say why not."""
     providers, reason = plan_providers(backend)
+    if providers[0] == CUDA:
+        preload_cuda_libraries()
     path = model_file(models_dir, name)
     try:
         session = ort.InferenceSession(str(path), sess_options=session_options(threads), providers=providers)
