@@ -1,0 +1,160 @@
+"""Training (loss goes down, schedule, spikes, export with the task's labels) and the head-count sweep (complete
+output, verdicts computed from the numbers, clear errors)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+
+import onnx
+import pytest
+
+from export import sweep, train_cli
+from export.metadata import MODEL_FILE, ModelMetadata
+from export.sweep_report import Row, check_balance, check_diminishing_returns, check_instability
+from export.tasks import get_task
+from export.train import TRAINING_FILE, TrainConfig, _Tracker, export_trained, lr_at, train
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+TINY = {"d_model": 32, "layers": 1, "ff_dim": 64, "batch_size": 32, "examples": 2000, "log_every": 20}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Tiny models train faster on one thread than on two contended ones (CI has 2 cores); restored after."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def trained():
+    return train(TrainConfig(task="sentiment", heads=2, steps=80, seed=0, **TINY), log=None)
+
+
+def test_training_loss_decreases(trained):
+    first, last = trained.losses[:10], trained.losses[-10:]
+    assert sum(last) / 10 < 0.8 * sum(first) / 10
+    assert trained.val_loss < math.log(2)  # better than chance on held-out examples
+    assert len(trained.losses) == 80 and len(trained.history) == 4  # a progress line every 20 steps
+
+
+def test_training_records_gradient_norms_before_clipping(trained):
+    assert trained.max_grad_norm >= trained.mean_grad_norm > 0
+    assert max(line.grad_norm for line in trained.history) == pytest.approx(trained.max_grad_norm)
+
+
+def test_training_is_reproducible_with_a_fixed_seed():
+    config = TrainConfig(task="kv-compare", heads=4, steps=5, **TINY)
+    a, b = train(config, log=None), train(config, log=None)
+    assert a.losses == b.losses and a.val_loss == b.val_loss
+
+
+def test_progress_lines_show_loss_accuracy_and_gradient_norm():
+    lines = []
+    train(TrainConfig(task="kv-compare", heads=1, steps=40, **TINY), log=lines.append)
+    assert len(lines) == 3  # steps 20 and 40, then validation
+    assert all(word in lines[0] for word in ("step", "loss", "acc", "grad-norm", "lr"))
+    assert lines[-1].startswith("validation:")
+
+
+def test_learning_rate_warms_up_linearly_then_decays_to_zero():
+    config = TrainConfig(steps=100, lr=1e-3, warmup_fraction=0.1)
+    warm = [lr_at(s, config) for s in range(10)]
+    assert warm == sorted(warm) and warm[-1] == pytest.approx(1e-3)
+    decay = [lr_at(s, config) for s in range(10, 100)]
+    assert decay == sorted(decay, reverse=True) and decay[-1] < 1e-6
+
+
+def test_a_jump_above_the_running_loss_is_recorded_as_a_spike():
+    tracker = _Tracker(TrainConfig(steps=50, warmup_fraction=0.0, log_every=50), log=None)
+    losses = [0.5] * 20 + [2.0] + [0.5] * 29
+    for step, loss in enumerate(losses):
+        tracker.record(step, loss, 1.0, 1.0, 1e-3)
+    assert [s.step for s in tracker.spikes] == [21]
+
+
+def test_exported_trained_model_carries_the_task_labels(trained, tmp_path):
+    exported = export_trained(trained, tmp_path, attention=False)
+    meta = ModelMetadata.from_props({p.key: p.value for p in onnx.load(exported.folder / MODEL_FILE).metadata_props})
+    assert meta.labels == get_task("sentiment").labels and meta.task == "sentiment" and meta.heads == 2
+    record = json.loads((exported.folder / TRAINING_FILE).read_text())
+    assert record["val_acc"] == trained.val_acc and record["config"]["steps"] == 80
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--heads", "3", "--d-model", "32"], "not divisible by h=3"),
+        (["--task", "nope"], "unknown task 'nope'"),
+        (["--steps", "0"], "steps must be an integer >= 1"),
+    ],
+)
+def test_train_cli_bad_input_is_one_line_and_nonzero(argv, message, capsys, tmp_path):
+    assert train_cli.main([*argv, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
+    assert not any(tmp_path.iterdir())  # nothing trained or written
+
+
+def test_sweep_output_is_complete(tmp_path, capsys):
+    argv = ["--task", "sentiment", "--heads", "1,2", "--seeds", "2", "--steps", "15", "--d-model", "16"]
+    argv += ["--examples", "400", "--repeats", "5", "--log-every", "15", "--out", str(tmp_path)]
+    assert sweep.main(argv) == 0
+    with (tmp_path / "sweep.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["heads"]) for r in rows] == [1, 2] and all(r["seeds"] == "2" for r in rows)
+    assert all(float(r["p50_b1_ms"]) > 0 and float(r["p50_b32_ms"]) > 0 for r in rows)
+    record = json.loads((tmp_path / "sweep.json").read_text())
+    assert sorted((r["heads"], r["seed"]) for r in record["runs"]) == [(1, 0), (1, 1), (2, 0), (2, 1)]
+    assert len(record["claims"]) == 3
+    table = (tmp_path / "sweep.md").read_text()
+    assert "| 1 | 16 |" in table and "| 2 | 8 |" in table
+    assert (tmp_path / "sweep.png").read_bytes().startswith(PNG_MAGIC)
+    assert (tmp_path / "models" / "mha-h2-d16" / MODEL_FILE).is_file()  # each h exported once, through export_model
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--heads", "1,3", "--d-model", "32"], "not divisible by h=3"),
+        (["--heads", "1,x"], "comma-separated list of integers"),
+        (["--task", "nope"], "unknown task 'nope'"),
+    ],
+)
+def test_sweep_bad_input_is_one_line_and_nonzero_before_training(argv, message, capsys, tmp_path):
+    assert sweep.main([*argv, "--out", str(tmp_path / "out")]) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and "\n" not in captured.err.strip()
+    assert "step" not in captured.out
+
+
+def _row(h: int, acc: float, ms: float, head_dim: int = 16, spikes: float = 0.0, grad: float = 1.0, sd=0.001) -> Row:
+    return Row(h, head_dim, 1000, 3, 0.1, sd, acc, sd, 1.0, ms, 10 * ms, spikes, grad)
+
+
+def test_balance_verdict_follows_the_numbers():
+    rows = [_row(1, 0.80, 0.10), _row(2, 0.90, 0.11), _row(4, 0.97, 0.12), _row(8, 0.97, 0.14), _row(16, 0.975, 0.2)]
+    assert check_balance(rows).verdict == "supported"  # h=4 is within the tolerance of the best and fastest of those
+    rows[0] = _row(1, 0.98, 0.10)
+    assert check_balance(rows).verdict == "not supported"
+
+
+def test_diminishing_returns_verdict_follows_the_numbers():
+    flat_after = [_row(1, 0.80, 0.1), _row(8, 0.95, 0.1), _row(16, 0.955, 0.1)]
+    steep_after = [_row(1, 0.80, 0.1), _row(8, 0.82, 0.1), _row(16, 0.95, 0.1)]
+    assert check_diminishing_returns(flat_after).verdict == "supported"
+    assert check_diminishing_returns(steep_after).verdict == "not supported"
+    assert check_diminishing_returns(flat_after[:2]).verdict == "cannot check"
+
+
+def test_instability_verdict_compares_small_and_large_head_dims():
+    stable_small = [_row(1, 0.9, 0.1, head_dim=64, spikes=2, grad=9, sd=0.05), _row(8, 0.9, 0.1, spikes=0, grad=1)]
+    unstable_small = [_row(1, 0.9, 0.1, head_dim=64, spikes=0, grad=1), _row(8, 0.9, 0.1, spikes=2, grad=9, sd=0.05)]
+    assert check_instability(stable_small).verdict == "not supported"
+    assert check_instability(unstable_small).verdict == "supported"
+    assert check_instability(stable_small[1:]).verdict == "cannot check"
