@@ -30,9 +30,9 @@ FROM rayproject/ray:${RAY_VERSION}-${PYTHON_TAG} AS runtime-cpu
 ENV ORT_PACKAGE="onnxruntime==1.32.0"
 
 FROM rayproject/ray:${RAY_VERSION}-${PYTHON_TAG}-gpu AS runtime-gpu
-# [cuda,cudnn] brings the CUDA 12 / cuDNN 9 libraries onnxruntime-gpu is built against, whatever the base ships
+# [cuda,cudnn]: the CUDA 12 / cuDNN 9 libraries onnxruntime-gpu is built against, as pip packages, whatever the base
+# image ships; service/runtime.py loads them (onnxruntime.preload_dlls) before it asks for the CUDA provider.
 ENV ORT_PACKAGE="onnxruntime-gpu[cuda,cudnn]==1.31.1"
-ENV LD_LIBRARY_PATH=/home/ray/anaconda3/lib/python3.11/site-packages/nvidia/cudnn/lib:/home/ray/anaconda3/lib/python3.11/site-packages/nvidia/cublas/lib:/home/ray/anaconda3/lib/python3.11/site-packages/nvidia/cuda_runtime/lib:${LD_LIBRARY_PATH}
 
 # ---- runtime: the Ray image as its non-root `ray` user (uid 1000, gid 100: numeric, so Kubernetes'
 # runAsNonRoot can check it), the service package, the exported models; no torch ----
