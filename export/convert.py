@@ -72,13 +72,14 @@ def one_line(exc: BaseException) -> str:
 
 @contextlib.contextmanager
 def quiet_torch():
-    """Silence the exporter's warnings, log lines (\"torchvision is not installed ...\") and progress prints."""
+    """Silence the exporter's warnings, log lines ("torchvision is not installed ...") and prints; errors raise."""
     loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
     levels = [logger.level for logger in loggers]
     try:
         for logger in loggers:
             logger.setLevel(logging.ERROR)
-        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        quiet_out, quiet_err = contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO())
+        with warnings.catch_warnings(), quiet_out, quiet_err:  # torch.export prints failed graphs to stderr
             warnings.simplefilter("ignore")
             yield
     finally:

@@ -167,6 +167,25 @@ def test_a_model_breaking_the_output_contract_is_refused_and_leaves_no_folder(tm
     assert list(tmp_path.iterdir()) == []
 
 
+class _IdsOnly(nn.Module):
+    """Cannot be exported with the contract's two inputs: forward takes one."""
+
+    def __init__(self, model: EncoderClassifier) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids):
+        return self.model(input_ids, torch.ones_like(input_ids))
+
+
+def test_an_exporter_failure_is_a_one_line_export_error_and_leaves_no_folder(tmp_path):
+    model, meta = _small_model()
+    with pytest.raises(ExportError, match=f"torch.onnx.export failed for {meta.name}: TypeError") as err:
+        export_model(_IdsOnly(model), meta, tmp_path)
+    assert "\n" not in str(err.value)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_failed_re_export_keeps_the_existing_folder_as_it_was(tmp_path):
     model, meta = _small_model()
     first = export_model(model, meta, tmp_path)

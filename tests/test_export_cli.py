@@ -58,6 +58,13 @@ class PerToken(nn.Module):
         return self.head(x)  # (B, T, 2): the contract wants (B, 2)
 
 
+class DataDependent(PerToken):
+    def forward(self, input_ids, attention_mask):
+        n = int(attention_mask.sum())  # torch.export cannot trace this; it prints the graph to stderr when it fails
+        x, _ = self.attn(self.emb(input_ids[:, :n]))
+        return self.head(x.mean(dim=1))
+
+
 def two_arguments(config, other):
     return None
 """
@@ -173,6 +180,7 @@ EXPORT_ERRORS = [
     (["--model", "{factories}:without_our_layer"], ["without an export.attention.MultiHeadAttention"]),
     (["--model", "{factories}:PerToken"], ["mha-h2-d8", "(1, 1, 2)", "contract wants (1, 2)"]),
     (["--model", "{factories}:PerToken", "--attention"], ["has no forward_with_attention"]),
+    (["--model", "{factories}:DataDependent"], ["torch.onnx.export failed for mha-h2-d8", "data-dependent"]),
 ]
 
 
