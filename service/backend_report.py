@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from service.errors import ServiceError
+from service.errors import BackendError, ModelFileError
 from service.model_store import find_models
 from service.runtime import Runtime, load_runtime
 
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
         names = find_models(args.models)
         rows = [report_model(args.models, n, args.backend, shapes, args.threads, args.repeats) for n in names]
-    except (ValueError, ServiceError) as exc:
+    except (ValueError, ModelFileError, BackendError) as exc:
         print(f"backend_report: {exc}", file=sys.stderr)
         return 1
     for r in rows:
