@@ -188,11 +188,13 @@ def _move_into_place(staging: Path, target: Path) -> None:
         os.replace(staging, target)
         return
     old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old.", dir=target.parent))
-    os.replace(target, old / target.name)
     try:
-        os.replace(staging, target)
-    except BaseException:
-        os.replace(old / target.name, target)
-        raise
+        os.replace(target, old / target.name)
+        try:
+            os.replace(staging, target)
+        except BaseException:
+            os.replace(old / target.name, target)
+            raise
     finally:
-        shutil.rmtree(old, ignore_errors=True)
+        if target.exists():  # never delete the only copy of a model
+            shutil.rmtree(old, ignore_errors=True)
