@@ -250,6 +250,11 @@ def test_podmonitors_select_head_and_worker_pods_on_the_metrics_port():
     selected = {m["spec"]["selector"]["matchLabels"]["ray.io/node-type"] for m in monitors}
     assert selected == {"head", "worker"}
     assert all(e["port"] == "metrics" for m in monitors for e in m["spec"]["podMetricsEndpoints"])
+    (rayservice,) = of_kind(base_docs(), "RayService")
+    for monitor in monitors:  # the labels we set (KubeRay adds the ray.io/ ones) are on every pod it should find
+        ours = {k: v for k, v in monitor["spec"]["selector"]["matchLabels"].items() if not k.startswith("ray.io/")}
+        for name, group in groups(rayservice).items():
+            assert ours.items() <= group["template"]["metadata"]["labels"].items(), (monitor["metadata"]["name"], name)
 
 
 # ---- alert rules ----
