@@ -88,11 +88,11 @@ class Job:
 def _jobs(settings: ExportSettings, takes_config: bool) -> list[Job]:
     from export.model import EncoderConfig
 
+    num_classes, labels = settings.class_labels()
     if not takes_config:
         if settings.heads_given:
             raise UsageError("--heads has no effect: the --model factory takes no arguments and fixes its own heads")
         return [Job(None)]
-    num_classes, labels = settings.class_labels()
     jobs = []
     for h in settings.heads:
         kwargs = dict(heads=h, d_model=settings.d_model, head_dim=settings.head_dim, layers=settings.layers)
@@ -234,6 +234,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except SystemExit as exc:  # --help
         return int(exc.code or 0)
+    except ModuleNotFoundError as exc:  # torch, when the export extra is not installed
+        print(
+            f"{PROG}: {exc.name!r} is not installed; install the export extra: pip install -e '.[export]'",
+            file=sys.stderr,
+        )
+        return 2
     created = not settings.out.exists()
     try:
         _check_writable(settings.out)

@@ -159,6 +159,7 @@ USAGE_ERRORS = [
     (["--layers", "0"], ["layers", "0"]),
     (["--max-len", "1"], ["max_len", "1"]),
     (["--labels", "a,b", "--num-classes", "3"], ["--num-classes 3", "2 --labels"]),
+    (["--model", "{factories}:fixed", "--labels", "a,b", "--num-classes", "3"], ["--num-classes 3", "2 --labels"]),
     (["--no-such-flag"], ["--no-such-flag"]),
     (["--model", "json"], ["package.module:factory"]),
     (["--model", "no_such_package_xyz.models:build"], ["no module named 'no_such_package_xyz'"]),
@@ -215,3 +216,28 @@ def test_bad_input_is_one_line_on_stderr_with_its_exit_status_and_no_model_folde
         assert word in err
     assert "Traceback" not in stdout + err
     assert _model_folders(out) == []
+
+
+_WITHOUT_TORCH = """
+import importlib.abc, sys
+
+class NoTorch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+sys.meta_path.insert(0, NoTorch())
+from service.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_without_torch_help_works_and_an_export_says_which_extra_to_install(tmp_path):
+    run = [sys.executable, "-c", _WITHOUT_TORCH, "export"]
+    shown = subprocess.run([*run, "--help"], capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0 and "--heads" in shown.stdout
+    refused = subprocess.run([*run, "--heads", "2", "--out", str(tmp_path / "m")], capture_output=True, text=True)
+    assert refused.returncode == 2
+    assert refused.stderr.count("\n") == 1 and "'torch' is not installed" in refused.stderr
+    assert "pip install -e '.[export]'" in refused.stderr
+    assert not (tmp_path / "m").exists()
