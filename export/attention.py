@@ -97,7 +97,10 @@ class MultiHeadAttention(nn.Module):
 
     @torch.no_grad()
     def load_from_torch(self, mha: nn.MultiheadAttention) -> MultiHeadAttention:
-        """Copy weights from a `torch.nn.MultiheadAttention` of the same shape (its in_proj is fused like ours)."""
+        """Copy weights from a `torch.nn.MultiheadAttention` of the same shape (its in_proj is fused like ours).
+
+        Weights only: this layer always takes batch-first input, and its mask is 1 = token where torch's
+        key_padding_mask is True = ignore (pass `~key_padding_mask`)."""
         if mha.embed_dim != self.d_model or mha.num_heads != self.h or self.inner_dim != self.d_model:
             raise ValueError(
                 f"cannot load nn.MultiheadAttention(embed_dim={mha.embed_dim}, num_heads={mha.num_heads}) into "
