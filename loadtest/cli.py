@@ -216,6 +216,10 @@ def main(argv: list[str] | None = None) -> int:
     except DiscoveryError as exc:
         _finish(out, meta, outcome, f"nothing measured: {exc}")
         return _fail(f"{exc} (report: {out})", 2)
+    except KeyboardInterrupt:
+        outcome.interrupted = True
+        _finish(out, meta, outcome, "nothing measured: interrupted while finding the models")
+        return _fail(f"interrupted before any load was sent (report: {out})", 130)
     meta["models"] = [m.to_json() for m in models]
     plan = Plan(
         base_url=base_url,

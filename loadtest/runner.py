@@ -102,7 +102,10 @@ class Recorder:
         return ", ".join(f"{k}: {n}" for k, n in self.errors.most_common())
 
     def result(self, target: Target, level: Level) -> LevelResult:
-        window = max(self.last_done - self.start, 1e-9)
+        # the measured window: the whole --duration when that was the bound (an open loop's last arrival may come
+        # early), else until the last answer
+        end = max(self.last_done, self.deadline) if self.stopped_by in ("", "duration") else self.last_done
+        window = max(end - self.start, 1e-9)
         m = target.model
         return LevelResult(
             model=m.name,
