@@ -16,6 +16,7 @@ from ray.serve.deployment import Application
 
 from export.metadata import ModelMetadata
 from service import batching
+from service.attention_api import AttentionResult, AttentionVariant
 from service.config import DeploymentSettings
 from service.errors import ModelFileError, NotReadyError
 from service.runtime import Runtime, load_runtime
@@ -61,6 +62,7 @@ class ModelServer:
         except ModelFileError as exc:  # BackendError is not caught: the replica fails at start, saying why
             self._error = str(exc)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ort-{name}")
+        self._attention = AttentionVariant(models_dir, name, settings.threads())  # opened on first use only
         self._batched.set_max_batch_size(settings.max_batch_size)
         self._batched.set_batch_wait_timeout_s(settings.batch_wait_timeout_s)
 
@@ -75,6 +77,10 @@ class ModelServer:
         if self._runtime is None:
             raise NotReadyError(f"model {self.name!r} is not ready: {self._error}")
         return await self._batched((ids, mask, time.perf_counter()))
+
+    async def attention(self, ids: np.ndarray) -> AttentionResult:
+        """(1, T) ids of one text -> per-layer, per-head weights from model.attn.onnx; not on the `infer` path."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._attention.run, ids)
 
     @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.0, batch_size_fn=_rows)
     async def _batched(self, items: list[tuple[np.ndarray, np.ndarray, float]]) -> list[InferResult]:

@@ -18,6 +18,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 
 from export.metadata import ModelMetadata
+from service import attention_api
 from service.config import AppConfig
 from service.deployment import InferResult, ModelStatus
 from service.errors import (
@@ -240,3 +241,13 @@ class Ingress:
             "batch_rows": result.batch_rows,
         }
         return json_response(simple.predict_response(body, status.metadata, status.backend, result.logits, timing))
+
+    @app.post("/v1/models/{name}/attention", openapi_extra=_openapi_body(attention_api.AttentionRequest))
+    async def attention(self, name: str, request: Request) -> Response:
+        """Per-layer, per-head attention weights of one text (from model.attn.onnx, opened on first use)."""
+        self._handle(name)  # 404 before looking at the body
+        body = await self._body(request, attention_api.AttentionRequest)
+        meta: ModelMetadata = (await self._ready_model(name)).metadata
+        ids, tokens = attention_api.decode(body, meta)
+        result = await self._handle(name).attention.remote(ids)
+        return json_response(attention_api.response(body, meta, tokens, result))

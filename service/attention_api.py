@@ -1,0 +1,85 @@
+"""`POST /v1/models/{name}/attention`: a text's per-layer, per-head attention weights, from the model's
+model.attn.onnx, loaded on first use in the model's own replica (the normal inference path never touches it). No torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict
+
+from export.attention_map import AttentionMapError, AttentionModel
+from export.metadata import ATTENTION_MODEL_FILE, ModelMetadata
+from export.tokenizer import ByteTokenizer
+from service.errors import BadRequestError, ModelNotFoundError
+from service.validation import texts_to_rows
+
+
+class AttentionRequest(BaseModel):
+    """One text; `layer` (0-based) picks one layer, omitted: every layer."""
+
+    model_config = ConfigDict(extra="forbid")
+    text: str
+    layer: int | None = None
+
+
+class NoAttentionVariantError(ModelNotFoundError):
+    """404: the model was exported without its attention variant (model.attn.onnx)."""
+
+
+@dataclass(frozen=True)
+class AttentionResult:
+    """What the replica answers: the weights (layers, h, T, T), or why it has none (errors cross Ray as values)."""
+
+    weights: np.ndarray | None
+    error: str = ""
+
+
+class AttentionVariant:
+    """The replica's lazily opened session over model.attn.onnx."""
+
+    def __init__(self, models_dir: str | Path, name: str, threads: int) -> None:
+        self.folder = Path(models_dir) / name
+        self.threads = threads
+        self._model: AttentionModel | None = None
+
+    def run(self, ids: np.ndarray) -> AttentionResult:
+        """(1, T) int64 ids of one unpadded text -> its weights (layers, h, T, T)."""
+        try:
+            if self._model is None:
+                self._model = AttentionModel(self.folder, self.threads)
+            return AttentionResult(self._model.weights(ids[0].tolist()))
+        except AttentionMapError as exc:
+            return AttentionResult(None, str(exc))
+
+
+def decode(request: AttentionRequest, meta: ModelMetadata) -> tuple[np.ndarray, list[str]]:
+    """The text's (1, T) ids and token labels; 400 for a layer out of range or a text over max_len."""
+    if request.layer is not None and not 0 <= request.layer < meta.layers:
+        raise BadRequestError(
+            f"layer {request.layer} is out of range: {meta.name} has {meta.layers} layer(s): 0..{meta.layers - 1}"
+        )
+    rows = texts_to_rows([request.text], meta, max_rows=1)
+    return rows.ids, ByteTokenizer(meta.max_len).tokens(request.text)
+
+
+def response(request: AttentionRequest, meta: ModelMetadata, tokens: list[str], result: AttentionResult) -> dict:
+    if result.weights is None:
+        raise NoAttentionVariantError(
+            f"model {meta.name!r} has no attention variant ({ATTENTION_MODEL_FILE}): export it with "
+            f"`mha-serving export --attention` or `mha-serving train` ({result.error})"
+        )
+    layers = list(range(meta.layers)) if request.layer is None else [request.layer]
+    weights = result.weights[layers]  # (len(layers), h, T, T)
+    out: dict[str, Any] = {
+        "model": meta.name,
+        "heads": meta.heads,
+        "head_dim": meta.head_dim,
+        "tokens": tokens,
+        "layers": layers,
+        "weights": weights.tolist(),  # [layer][head][query token][key token]
+    }
+    return out
