@@ -48,3 +48,14 @@ def build_app(args: AppConfig | dict[str, Any] | None = None) -> Application:
         max_ongoing_requests=ingress.max_ongoing_requests,
         max_queued_requests=ingress.max_queued_requests,
     ).bind(models, config)
+
+
+def failure_reasons(app_name: str) -> dict[str, str]:
+    """Deployment name -> Serve's message for each deployment of `app_name` that failed (e.g. a BackendError)."""
+    from ray import serve
+
+    app = serve.status().applications.get(app_name)
+    if app is None:
+        return {}
+    failed = ("DEPLOY_FAILED", "UNHEALTHY")
+    return {name: d.message for name, d in app.deployments.items() if str(d.status).split(".")[-1] in failed}

@@ -216,6 +216,7 @@ class Ingress:
     @app.post("/v2/models/{name}/versions/{version}/infer", openapi_extra=_openapi_body(v2.InferRequest))
     async def infer(self, name: str, request: Request, version: str | None = None) -> Response:
         self._check_version(name, version)
+        self._handle(name)  # 404 before looking at the body
         body = await self._body(request, v2.InferRequest)
         meta: ModelMetadata = (await self._ready_model(name)).metadata
         v2.requested_outputs(body)
@@ -231,6 +232,7 @@ class Ingress:
     @app.post("/v1/models/{name}/predict", openapi_extra=_openapi_body(simple.PredictRequest))
     async def predict(self, name: str, request: Request) -> Response:
         start = time.perf_counter()
+        self._handle(name)  # 404 before looking at the body
         body = await self._body(request, simple.PredictRequest)
         status = await self._ready_model(name)
         result = await self._infer(name, simple.decode(body, status.metadata, self._config.limits.max_rows))

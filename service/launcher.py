@@ -147,9 +147,20 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except RuntimeError as exc:  # Serve's deploy failure: a replica raised at start (e.g. backend gpu without one)
         print(f"mha-serving serve: the application failed to start: {_first_reason(exc)}", file=sys.stderr)
+        for name, message in _failures().items():
+            print(f"  {name}: {_first_reason(RuntimeError(message))}", file=sys.stderr)
         return 1
     finally:
         shutdown()
+
+
+def _failures() -> dict[str, str]:
+    from service.app import failure_reasons
+
+    try:
+        return failure_reasons(APP_NAME)
+    except Exception:  # Serve itself is gone: nothing more to say than the error above
+        return {}
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -157,11 +168,13 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def _first_reason(exc: Exception) -> str:
-    text = str(exc)
-    for line in text.splitlines():
-        if "BackendError:" in line or "Error:" in line:
-            return line.strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+    """The line of a (Serve) error that says why: our typed errors first, else the first line."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    for marker in ("BackendError:", "ModelFileError:"):
+        for line in reversed(lines):
+            if marker in line:
+                return line[line.index(marker) :]
+    return lines[0] if lines else type(exc).__name__
 
 
 def shutdown() -> None:

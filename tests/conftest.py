@@ -30,3 +30,48 @@ def tiny_models_dir(tmp_path_factory) -> Path:
     export_tiny_model(out, heads=2, seed=2)
     export_tiny_model(out, heads=4, seed=4, attention=True)
     return out
+
+
+def _gpu_available() -> bool:
+    import onnxruntime
+
+    return "CUDAExecutionProvider" in onnxruntime.get_available_providers() and Path("/dev/nvidia0").exists()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` need onnxruntime-gpu and an NVIDIA device; skipped (with the reason) otherwise."""
+    if _gpu_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU and onnxruntime-gpu (CUDAExecutionProvider)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def serve_port():
+    """One embedded Ray (2 CPUs) with Serve on a free 127.0.0.1 port for the whole session; its HTTP port."""
+    from serving import start_ray_and_serve, stop_ray
+
+    port = start_ray_and_serve()
+    yield port
+    stop_ray()
+
+
+@pytest.fixture(scope="session")
+def service(serve_port, tiny_models_dir):
+    """The real application on the tiny models (default settings but a small CPU share), at http://127.0.0.1:PORT."""
+    from serving import deploy
+
+    return deploy(serve_port, "main", tiny_models_dir)
+
+
+@pytest.fixture(scope="session")
+def limited_service(serve_port, tiny_models_dir, tmp_path_factory):
+    """A second application with tiny limits and three broken model folders next to a good one, under /limited."""
+    from serving import broken_models_dir, deploy
+
+    models = broken_models_dir(tmp_path_factory.mktemp("limited") / "models", tiny_models_dir / "mha-h2-d32")
+    settings = {"num_cpus": 0.1, "max_ongoing_requests": 1, "max_queued_requests": 1, "batch_wait_timeout_s": 0.5}
+    limits = {"max_rows": 4, "max_body_bytes": 4096}
+    return deploy(serve_port, "limited", models, deployment=settings, limits=limits)

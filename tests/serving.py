@@ -1,0 +1,101 @@
+"""Test support: one real Ray (2 CPUs) and Serve on 127.0.0.1 per session, and applications deployed into it."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+TEST_DEPLOYMENT = {"num_cpus": 0.25, "max_batch_size": 16}  # 2 logical CPUs hold every test app's replicas
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class Served:
+    """A running application: where to reach it, and what it was built from."""
+
+    base_url: str  # e.g. http://127.0.0.1:PORT/limited
+    name: str
+    models_dir: Path
+    config: dict
+
+    def client(self, **kwargs) -> httpx.Client:
+        return httpx.Client(base_url=self.base_url, timeout=30, **kwargs)
+
+
+def start_ray_and_serve() -> int:
+    """An embedded local Ray of its own (never another session's cluster) with Serve on a free port."""
+    import ray
+    from ray import serve
+
+    port = free_port()
+    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    return port
+
+
+def deploy(port: int, name: str, models_dir: Path, **config) -> Served:
+    """Deploy `build_app(config)` as application `name` under route prefix `/name` (or `/` for "main")."""
+    from ray import serve
+
+    from service.app import build_app
+
+    args = {"models_dir": str(models_dir), "deployment": dict(TEST_DEPLOYMENT), **config}
+    prefix = "/" if name == "main" else f"/{name}"
+    logging = {"enable_access_log": False, "log_level": "WARNING"}
+    serve.run(build_app(args), name=name, route_prefix=prefix, blocking=False, logging_config=logging)
+    return Served(f"http://127.0.0.1:{port}{prefix.rstrip('/')}", name, models_dir, args)
+
+
+def stop_ray() -> None:
+    import ray
+    from ray import serve
+
+    try:
+        serve.shutdown()
+    finally:
+        ray.shutdown()
+
+
+def broken_models_dir(root: Path, good: Path) -> Path:
+    """A models folder with one good model and three that cannot serve: missing, corrupt, inconsistent."""
+    root.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(good, root / good.name)
+    (root / "mha-missing").mkdir()  # no model.onnx
+    (root / "mha-corrupt").mkdir()
+    (root / "mha-corrupt" / "model.onnx").write_bytes(b"this is not an ONNX protobuf")
+    shutil.copytree(good, root / "mha-h9-d32")  # metadata says mha-h2-d32: inconsistent with its folder
+    return root
+
+
+def bare_logits(models_dir: Path, name: str, ids, mask=None):
+    """The reference: ONNX Runtime on the same file, no service code in between. (B, T) -> (B, C) float32."""
+    import numpy as np
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(models_dir / name / "model.onnx"), providers=["CPUExecutionProvider"])
+    ids = np.asarray(ids, dtype=np.int64)
+    mask = np.ones_like(ids) if mask is None else np.asarray(mask, dtype=np.int64)
+    (logits,) = session.run(["logits"], {"input_ids": ids, "attention_mask": mask})
+    return logits
+
+
+def v2_tensor(name: str, data, datatype: str = "INT64", shape=None) -> dict:
+    """A v2 JSON input tensor with flat row-major data (shape from the nested data unless given)."""
+    import numpy as np
+
+    array = np.asarray(data)
+    return {
+        "name": name,
+        "datatype": datatype,
+        "shape": list(array.shape) if shape is None else shape,
+        "data": array.ravel().tolist(),
+    }

@@ -1,0 +1,192 @@
+"""Every wrong input gets a 4xx with a JSON error naming the problem; unknown model 404; not ready and over capacity
+503; a broken model folder next to a good one fails alone, saying why."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import onnxruntime as ort
+import pytest
+from serving import v2_tensor
+
+pytestmark = pytest.mark.serve
+INFER = "/v2/models/mha-h2-d32/infer"
+PREDICT = "/v1/models/mha-h2-d32/predict"
+IDS = [[1, 5, 6, 7]]
+
+BAD_V2 = {
+    "wrong tensor name": ({"inputs": [v2_tensor("tokens", IDS)]}, "unexpected or repeated inputs ['tokens']"),
+    "wrong datatype": ({"inputs": [v2_tensor("input_ids", IDS, "FP32")]}, "must have datatype INT64, got FP32"),
+    "float data": ({"inputs": [v2_tensor("input_ids", [[1.5, 2.0]])]}, "data must be integers"),
+    "rank 1 shape": ({"inputs": [v2_tensor("input_ids", [1, 5, 6])]}, "shape must be [batch, sequence]"),
+    "shape and data disagree": (
+        {"inputs": [v2_tensor("input_ids", IDS, shape=[2, 4])]},
+        "shape [2, 4] needs 8 values, data has 4",
+    ),
+    "mask shape differs": (
+        {"inputs": [v2_tensor("input_ids", IDS), v2_tensor("attention_mask", [[1, 1]])]},
+        "attention_mask shape [1, 2] differs from input_ids [1, 4]",
+    ),
+    "mask not 0/1": (
+        {"inputs": [v2_tensor("input_ids", IDS), v2_tensor("attention_mask", [[1, 2, 1, 1]])]},
+        "only 0 (padding) and 1 (token)",
+    ),
+    "all-padding row": (
+        {"inputs": [v2_tensor("input_ids", IDS), v2_tensor("attention_mask", [[0, 0, 0, 0]])]},
+        "row 0 has no tokens",
+    ),
+    "empty input": ({"inputs": [v2_tensor("input_ids", [[]], shape=[1, 0])]}, "input_ids is empty"),
+    "no inputs": ({"inputs": []}, "inputs: List should have at least 1 item"),
+    "id outside the vocabulary": ({"inputs": [v2_tensor("input_ids", [[1, 260]])]}, "token id 260 is outside"),
+    "negative id": ({"inputs": [v2_tensor("input_ids", [[1, -3]])]}, "token id -3 is outside"),
+    "longer than max_len": (
+        {"inputs": [v2_tensor("input_ids", [[5] * 33])]},
+        "length 33 is over the model's max_len=32",
+    ),
+    "text too long": (
+        {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": ["x" * 40]}]},
+        "over the model's max_len=32",
+    ),
+    "text shape mismatch": (
+        {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [2], "data": ["a"]}]},
+        "shape [2] does not match 1 strings",
+    ),
+    "unknown output": ({"inputs": [v2_tensor("input_ids", IDS)], "outputs": [{"name": "probs"}]}, "unknown output"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_V2))
+def test_bad_v2_request_is_a_400_naming_the_problem(service, case):
+    body, expected = BAD_V2[case]
+    with service.client() as c:
+        r = c.post(INFER, json=body)
+    assert r.status_code == 400, r.text
+    assert expected in r.json()["error"]
+
+
+BAD_SIMPLE = {
+    "nothing to predict": ({}, "send exactly one of 'text', 'texts' or 'input_ids'"),
+    "two inputs": ({"text": "a", "texts": ["b"]}, "send exactly one of"),
+    "no texts": ({"texts": []}, "no texts given"),
+    "unknown key": ({"txt": "a"}, "txt: Extra inputs are not permitted"),
+    "empty id row": ({"input_ids": [[1, 2], []]}, "row 1 of input_ids is empty"),
+    "ragged ids with a mask": ({"input_ids": [[1, 2], [3]], "attention_mask": [[1, 1], [1]]}, "not a rectangular"),
+    "mask without ids": ({"text": "a", "attention_mask": [[1]]}, "'attention_mask' goes with 'input_ids'"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_SIMPLE))
+def test_bad_simple_request_is_a_400_naming_the_problem(service, case):
+    body, expected = BAD_SIMPLE[case]
+    with service.client() as c:
+        r = c.post(PREDICT, json=body)
+    assert r.status_code == 400, r.text
+    assert expected in r.json()["error"]
+
+
+@pytest.mark.parametrize("path", [INFER, PREDICT])
+def test_malformed_json_is_a_400_whatever_the_content_type(service, path):
+    with service.client() as c:
+        r = c.post(path, content=b'{"inputs": [', headers={"content-type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 400 and r.json()["error"].startswith("malformed JSON body")
+
+
+def test_body_over_one_mebibyte_is_a_413(service):
+    with service.client() as c:
+        r = c.post(PREDICT, json={"text": "x" * (1 << 20)})
+    assert r.status_code == 413 and "over the limit of 1048576 bytes" in r.json()["error"]
+
+
+def test_more_rows_than_the_configured_limit_is_a_400(limited_service):
+    with limited_service.client() as c:
+        r = c.post(PREDICT, json={"texts": ["a"] * 5})
+    assert r.status_code == 400 and "5 texts in one request, over the limit of 4" in r.json()["error"]
+
+
+@pytest.mark.parametrize(
+    "method,path",
+    [
+        ("GET", "/v2/models/mha-h3-d32"),
+        ("GET", "/v2/models/mha-h3-d32/ready"),
+        ("POST", "/v2/models/mha-h3-d32/infer"),
+        ("POST", "/v1/models/mha-h3-d32/predict"),
+        ("GET", "/v2/models/mha-h2-d32/versions/2"),
+    ],
+)
+def test_unknown_model_or_version_is_a_404(service, method, path):
+    with service.client() as c:
+        r = c.request(method, path, json={"text": "a"} if method == "POST" else None)
+    assert r.status_code == 404 and ("unknown model 'mha-h3-d32'" in r.json()["error"] or "no version" in r.text)
+
+
+def test_unknown_route_is_a_json_404(service):
+    with service.client() as c:
+        r = c.get("/v3/nothing")
+    assert r.status_code == 404 and r.json() == {"error": "Not Found"}
+
+
+BROKEN = {
+    "mha-missing": "model.onnx is missing",
+    "mha-corrupt": "ONNX Runtime cannot load",
+    "mha-h9-d32": "metadata name is 'mha-h2-d32'",
+}
+
+
+@pytest.mark.parametrize("name", list(BROKEN))
+def test_broken_model_folder_is_not_ready_and_says_why(limited_service, name):
+    with limited_service.client() as c:
+        ready = c.get(f"/v2/models/{name}/ready")
+        infer = c.post(f"/v2/models/{name}/infer", json={"inputs": [v2_tensor("input_ids", IDS)]})
+    assert ready.status_code == 503 and BROKEN[name] in ready.json()["error"]
+    assert infer.status_code == 503 and BROKEN[name] in infer.json()["error"]
+
+
+def test_broken_folders_do_not_stop_the_good_model_and_the_list_says_which_is_which(limited_service):
+    with limited_service.client() as c:
+        models = {m["name"]: m for m in c.get("/v1/models").json()["models"]}
+        server_ready = c.get("/v2/health/ready")
+        good = c.post(PREDICT, json={"text": "still serving"})
+    assert models["mha-h2-d32"]["ready"] is True and models["mha-h2-d32"]["backend"] == "cpu"
+    for name, why in BROKEN.items():
+        assert models[name]["ready"] is False and why in models[name]["error"]
+    assert server_ready.status_code == 503 and "mha-corrupt" in server_ready.json()["error"]
+    assert good.status_code == 200 and good.json()["model"] == "mha-h2-d32"
+
+
+def test_a_burst_over_capacity_gets_quick_503s_and_the_replica_keeps_serving(limited_service):
+    """max_ongoing_requests=1, max_queued_requests=1, a 0.5 s batch window: most of a 12-request burst is refused."""
+
+    def call(_):
+        start = time.perf_counter()
+        with limited_service.client() as c:
+            r = c.post(PREDICT, json={"text": "burst"})
+        return r.status_code, r.json(), time.perf_counter() - start
+
+    with ThreadPoolExecutor(12) as pool:
+        results = list(pool.map(call, range(12)))
+    refused = [(body, s) for code, body, s in results if code == 503]
+    served = [body for code, body, _ in results if code == 200]
+    assert len(refused) + len(served) == 12 and served and refused
+    assert all("over capacity" in body["error"] for body, _ in refused)
+    with limited_service.client() as c:
+        assert c.post(PREDICT, json={"text": "after the burst"}).status_code == 200
+
+
+@pytest.mark.skipif(
+    "CUDAExecutionProvider" in ort.get_available_providers(), reason="onnxruntime-gpu is installed here"
+)
+def test_backend_gpu_without_one_fails_the_application_at_start_saying_why(serve_port, tiny_models_dir):
+    from ray import serve
+
+    from service.app import build_app, failure_reasons
+
+    config = {"models_dir": str(tiny_models_dir), "models": ["mha-h2-d32"], "backend": "gpu"}
+    config["deployment"] = {"num_cpus": 0.1}
+    try:
+        with pytest.raises(RuntimeError, match=r"Deploying application gpu failed"):
+            serve.run(build_app(config), name="gpu", route_prefix="/gpu", blocking=False)
+        reason = failure_reasons("gpu")["mha-h2-d32"]
+        assert "BackendError" in reason and "CPU-only package" in reason
+    finally:
+        serve.delete("gpu")
