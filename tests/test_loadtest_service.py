@@ -5,7 +5,9 @@ Its application is its own (`/loadtest`), so Ray Serve's counters for it hold on
 
 from __future__ import annotations
 
+import csv
 import json
+import os
 import re
 import signal
 import subprocess
@@ -163,3 +165,21 @@ def test_ctrl_c_writes_what_was_measured_so_far(app, tmp_path):
     (level,) = report["levels"]  # the first model's first level; nothing after it was started
     assert level["stopped_by"] == "interrupted" and level["ok"] > 0 and level["duration_s"] < 60
     assert level["ok"] + sum(level["errors"].values()) == level["sent"]
+
+
+def test_the_locustfile_drives_every_model_through_the_same_endpoints(app, tmp_path):
+    locust = Path(sys.executable).with_name("locust")
+    if not locust.exists():
+        message = "locust is not installed (it is in the test extra: pip install -e '.[test]')"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    command = [str(locust), "-f", str(ROOT / "loadtest" / "locustfile.py"), "--host", app.base_url, "--headless"]
+    command += ["-u", "2", "-r", "2", "-t", "3s", "--csv", str(tmp_path / "locust"), "--only-summary"]
+    env = {**os.environ, "MHA_SEQ_LEN": "uniform:4:20", "MHA_PROTOCOL": "v2", "MHA_BATCH_SIZE": "2"}
+    run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    with (tmp_path / "locust_stats.csv").open() as f:
+        rows = {row["Name"]: row for row in csv.DictReader(f)}
+    for model in MODELS:
+        assert int(rows[f"{model} (v2)"]["Request Count"]) > 0 and rows[f"{model} (v2)"]["Failure Count"] == "0"
