@@ -13,7 +13,7 @@ import platform
 import signal
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import httpx
@@ -187,45 +187,20 @@ def _fail(message: str, code: int) -> int:
     return code
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = _parser().parse_args(argv)
-    if args.compare:
-        try:
-            print(run_compare(Path(args.compare[0]), Path(args.compare[1]), Path(args.out) if args.out else None))
-        except ReportError as exc:
-            return _fail(str(exc), 2)
-        return 0
-    try:
-        levels, limits = _levels(args), _limits(args)
-        seq_len = SeqLenSpec.parse(args.seq_len)
-        if seq_len.kind == "file":
-            read_texts(seq_len.path)
-        if args.batch_size < 1:
-            raise WorkloadError(f"--batch-size must be >= 1, got {args.batch_size}")
-        _label_pairs(args.metrics_match)
-        base_url = check_loopback(args.url, args.allow_remote)
-        if args.metrics_url:
-            check_loopback(args.metrics_url, args.allow_remote)
-    except (ValueError, RemoteURLError) as exc:
-        return _fail(str(exc), 2)
-    out = Path(args.out or f"reports/{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
-    meta, outcome, progress = _meta(args, argv, limits, levels), Outcome(), Progress(quiet=args.quiet)
-    try:
-        models = _discover(args, base_url, outcome)
-    except DiscoveryError as exc:
-        _finish(out, meta, outcome, f"nothing measured: {exc}")
-        return _fail(f"{exc} (report: {out})", 2)
-    except KeyboardInterrupt:
-        outcome.interrupted = True
-        _finish(out, meta, outcome, "nothing measured: interrupted while finding the models")
-        return _fail(f"interrupted before any load was sent (report: {out})", 130)
-    meta["models"] = [m.to_json() for m in models]
-    plan = Plan(
-        base_url=base_url,
-        models=tuple(models),
-        levels=levels,
-        limits=limits,
+def _plan(args: argparse.Namespace) -> Plan:
+    """The run's plan from the arguments (models still empty); ValueError names the first bad argument."""
+    seq_len = SeqLenSpec.parse(args.seq_len)
+    if seq_len.kind == "file":
+        read_texts(seq_len.path)
+    if args.batch_size < 1:
+        raise WorkloadError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.metrics_url:
+        check_loopback(args.metrics_url, args.allow_remote)
+    return Plan(
+        base_url=check_loopback(args.url, args.allow_remote),
+        models=(),
+        levels=_levels(args),
+        limits=_limits(args),
         seq_len=seq_len,
         batch_size=args.batch_size,
         protocol=args.protocol,
@@ -235,10 +210,17 @@ def main(argv: list[str] | None = None) -> int:
         metrics_wait_s=args.metrics_wait,
         seed=args.seed,
     )
+
+
+def _compare(args: argparse.Namespace) -> int:
     try:
-        asyncio.run(_drive(plan, outcome, progress))
-    except KeyboardInterrupt:
-        outcome.interrupted = True
+        print(run_compare(Path(args.compare[0]), Path(args.compare[1]), Path(args.out) if args.out else None))
+    except ReportError as exc:
+        return _fail(str(exc), 2)
+    return 0
+
+
+def _exit_status(out: Path, meta: dict, outcome: Outcome) -> int:
     status = _finish(out, meta, outcome, "")
     print(f"report: {out / 'report.md'} ({status}: {meta['measured']})")
     if status == "interrupted":
@@ -247,3 +229,31 @@ def main(argv: list[str] | None = None) -> int:
         more = f" (+{len(outcome.failures) - 1} more, see the report)" if len(outcome.failures) > 1 else ""
         return _fail(outcome.failures[0] + more, 1)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = _parser().parse_args(argv)
+    if args.compare:
+        return _compare(args)
+    try:
+        plan = _plan(args)
+    except (ValueError, RemoteURLError) as exc:
+        return _fail(str(exc), 2)
+    out = Path(args.out or f"reports/{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
+    meta, outcome = _meta(args, argv, plan.limits, plan.levels), Outcome()
+    try:
+        plan = replace(plan, models=tuple(_discover(args, plan.base_url, outcome)))
+    except DiscoveryError as exc:
+        _finish(out, meta, outcome, f"nothing measured: {exc}")
+        return _fail(f"{exc} (report: {out})", 2)
+    except KeyboardInterrupt:
+        outcome.interrupted = True
+        _finish(out, meta, outcome, "nothing measured: interrupted while finding the models")
+        return _fail(f"interrupted before any load was sent (report: {out})", 130)
+    meta["models"] = [m.to_json() for m in plan.models]
+    try:
+        asyncio.run(_drive(plan, outcome, Progress(quiet=args.quiet)))
+    except KeyboardInterrupt:
+        outcome.interrupted = True
+    return _exit_status(out, meta, outcome)

@@ -17,7 +17,7 @@ CSV_COLUMNS = (
     + ["batch_size", "duration_s", "sent", "ok", "errors_total", "errors", "dropped", "throughput_rps"]
     + ["sequences_per_s"]
     + [f"{k}_ms" for k in LATENCY_KEYS]
-    + ["send_lag_p99_ms", "stopped_by"]
+    + ["send_lag_p99_ms", "client_cpu_pct", "stopped_by"]
     + [f"server_{k}" + ("" if k == "count" else "_ms") for k in SERVER_KEYS]
 )
 
@@ -39,7 +39,7 @@ def csv_row(r: LevelResult) -> dict[str, object]:
     row["errors"] = ";".join(f"{k}:{n}" for k, n in sorted(r.errors.items()))
     row |= {"throughput_rps": r.throughput_rps, "sequences_per_s": r.sequences_per_s}
     row |= {f"{k}_ms": r.latency_ms.get(k, "") for k in LATENCY_KEYS}
-    row |= {"send_lag_p99_ms": r.send_lag_p99_ms, "stopped_by": r.stopped_by}
+    row |= {"send_lag_p99_ms": r.send_lag_p99_ms, "client_cpu_pct": r.client_cpu_pct, "stopped_by": r.stopped_by}
     row |= {f"server_{k}" + ("" if k == "count" else "_ms"): r.server.get(k, "") for k in SERVER_KEYS}
     return row
 
@@ -58,7 +58,7 @@ def _table(headers: list[str], rows: list[list[object]]) -> list[str]:
 def level_rows(results: list[LevelResult], with_server: bool) -> tuple[list[str], list[list[object]]]:
     """The main table: one row per model and level, client-side (and server-side) latency side by side."""
     headers = ["model", "h", "head_dim", "level", "ok", "errors", "req/s", "seq/s"]
-    headers += ["p50 ms", "p90 ms", "p95 ms", "p99 ms", "max ms"]
+    headers += ["p50 ms", "p90 ms", "p95 ms", "p99 ms", "max ms", "client CPU %"]
     if any(r.mode == "open" for r in results):
         headers += ["offered/s", "achieved/s", "dropped"]
     if with_server:
@@ -68,6 +68,7 @@ def level_rows(results: list[LevelResult], with_server: bool) -> tuple[list[str]
         lat = r.latency_ms
         row: list[object] = [r.model, r.heads, r.head_dim, r.level, r.ok, sum(r.errors.values())]
         row += [r.throughput_rps, r.sequences_per_s] + [lat.get(k, "") for k in ("p50", "p90", "p95", "p99", "max")]
+        row.append(r.client_cpu_pct)
         if "offered/s" in headers:
             row += [r.offered_rate or "", r.achieved_rate, r.dropped] if r.mode == "open" else ["", "", ""]
         if with_server:

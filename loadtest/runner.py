@@ -70,6 +70,12 @@ class Recorder:
         self.examples: dict[str, str] = {}
         self.last_done = self.start
         self.stopped_by = ""
+        self.cpu_start = time.process_time()
+        self.cpu_s = 0.0
+
+    def finish(self) -> None:
+        """Close the phase: the CPU time this process spent on it."""
+        self.cpu_s = time.process_time() - self.cpu_start
 
     def take(self) -> bool:
         """Reserve one send; False (and why, in stopped_by) once any bound is reached."""
@@ -126,6 +132,7 @@ class Recorder:
             latency_ms=latency_summary(self.latencies),
             send_lag_p99_ms=round(percentile(self.lags, 99) * 1000, 3) if self.lags else 0.0,
             stopped_by=self.stopped_by or "duration",
+            client_cpu_pct=round(100 * self.cpu_s / max(self.last_done - self.start, 1e-9), 1),
             error_examples=dict(self.examples),
         )
 
@@ -227,6 +234,7 @@ async def run_phase(
         if not task.done():
             task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+        rec.finish()
 
 
 def make_client(level: Level, limits: Limits) -> httpx.AsyncClient:

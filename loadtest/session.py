@@ -18,6 +18,8 @@ from loadtest.runner import Level, Limits, Recorder, Target, make_client, run_ph
 from loadtest.stats import LevelResult
 from loadtest.workload import SeqLenSpec, build_bodies, endpoint
 
+CLIENT_CPU_WARN_PCT = 70.0  # above this, the report notes that the client may be competing with the service
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -116,6 +118,11 @@ async def _run_model(model: ModelInfo, plan: Plan, outcome: Outcome, stop, progr
                 result, server=server_metrics.server_percentiles(before, after, model.name, plan.metrics_name)
             )
         outcome.results.append(result)
+        if result.client_cpu_pct > CLIENT_CPU_WARN_PCT:
+            outcome.notes.append(
+                f"{model.name} {level.label}: the load tester itself used {result.client_cpu_pct:.0f}% of a core; "
+                "when it shares the machine with the service, the service's numbers are a lower bound"
+            )
         progress.done(result)
         if result.ok == 0 and result.stopped_by != "interrupted":
             outcome.failures.append(

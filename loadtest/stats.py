@@ -44,6 +44,7 @@ class LevelResult:
     send_lag_p99_ms: float = 0.0  # open loop: how late the client sent versus the schedule
     stopped_by: str = "duration"  # duration | max_requests | interrupted | aborted: ...
     error_examples: dict[str, str] = field(default_factory=dict)
+    client_cpu_pct: float = 0.0  # the load tester's own CPU time over the window (100 = one core busy)
     warmup_sent: int = 0  # requests of the warm-up before this level (not in any other number here)
     warmup_ok: int = 0
     server: dict[str, object] = field(default_factory=dict)  # server-side percentiles, or a note why not
