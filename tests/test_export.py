@@ -186,6 +186,7 @@ def test_an_exporter_failure_is_a_one_line_export_error_and_leaves_no_folder(tmp
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_a_failed_re_export_keeps_the_existing_folder_as_it_was(tmp_path):
     model, meta = _small_model()
     first = export_model(model, meta, tmp_path)

@@ -91,6 +91,7 @@ def _model_folders(out: Path) -> list[str]:
     return sorted(p.name for p in out.iterdir()) if out.exists() else []
 
 
+@pytest.mark.slow
 def test_cli_end_to_end_exports_each_head_count_and_prints_progress_and_table(tmp_path):
     out = tmp_path / "models"
     argv = [str(MHA_SERVING), "export", "--heads", "1,2", *SMALL_FLAGS, "--out", str(out)]
@@ -115,6 +116,7 @@ def test_cli_end_to_end_exports_each_head_count_and_prints_progress_and_table(tm
     assert "mha-h1-d16: exists" in again.stdout and "0 exported" in again.stdout
 
 
+@pytest.mark.slow
 def test_config_file_sets_the_keys_and_flags_override_it(tmp_path, capsys, factories):
     config = tmp_path / "export.yaml"
     config.write_text("heads: [1, 4]\nd-model: 16\nlayers: 2\nff_dim: 32\nmax_len: 10\nlabels: [neg, neu, pos]\n")
@@ -137,6 +139,7 @@ def test_json_config_file_with_the_flag_names_parses_to_the_same_settings(tmp_pa
     assert settings.attention is True and settings.out == Path("m") and settings.force is False
 
 
+@pytest.mark.slow
 def test_a_factory_without_arguments_is_exported_once_with_its_attention_variant(tmp_path, capsys, factories):
     out = tmp_path / "models"
     code, stdout, err = _run_cli(["--model", f"{factories}:fixed", "--attention", "--out", out], capsys)
