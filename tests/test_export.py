@@ -119,6 +119,18 @@ def test_attention_variant_exposes_per_head_weights_next_to_the_same_logits(tiny
     np.testing.assert_allclose(weights, want.numpy(), atol=1e-5)
 
 
+def test_explicit_head_dim_exports_under_its_own_name_and_passes_the_gate(tmp_path):
+    torch.manual_seed(3)
+    config = EncoderConfig(heads=3, head_dim=8, **SMALL)  # h * head_dim = 24, d_model = 16
+    model = EncoderClassifier(config)
+    result = export_model(model, config.metadata(exporter_versions()), tmp_path)
+    assert result.folder == tmp_path / "mha-h3-d16-hd8"
+    assert result.max_diff <= 1e-4
+    proto = onnx.load(str(result.folder / MODEL_FILE), load_external_data=False)
+    meta = ModelMetadata.from_props({p.key: p.value for p in proto.metadata_props})
+    assert (meta.heads, meta.head_dim, meta.d_model, meta.attention_dim) == (3, 8, 16, 24)
+
+
 def _small_model(h: int = 2) -> tuple[EncoderClassifier, ModelMetadata]:
     torch.manual_seed(h)
     config = EncoderConfig(heads=h, **SMALL)
