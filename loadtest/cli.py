@@ -58,7 +58,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-outstanding", type=int, default=256, help="open loop: cap on requests in flight")
     p.add_argument("--ready-timeout", type=float, default=30.0, help="seconds to wait for a model to be ready")
     p.add_argument("--metrics-url", default="", help="the service's Prometheus URL: adds server-side percentiles")
-    p.add_argument("--metrics-name", default=server_metrics.DEFAULT_METRIC, help="server-side latency histogram")
+    p.add_argument(
+        "--metrics-name",
+        default=",".join(server_metrics.DEFAULT_METRICS),
+        help="server-side latency histogram(s), comma-separated: the first with data for a model is used "
+        "(a name ending in _seconds is read as seconds, otherwise milliseconds)",
+    )
     p.add_argument(
         "--metrics-match",
         action="append",
@@ -127,7 +132,7 @@ def _meta(args: argparse.Namespace, argv: list[str], limits: Limits, levels: tup
         "limits": asdict(limits),
         "planned_levels": [lv.label for lv in levels],
         "metrics_url": args.metrics_url,
-        "metrics_name": args.metrics_name if args.metrics_url else "",
+        "metrics_names": args.metrics_name.split(",") if args.metrics_url else [],
         "metrics_match": args.metrics_match,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
         "models": [],
@@ -205,7 +210,7 @@ def _plan(args: argparse.Namespace) -> Plan:
         batch_size=args.batch_size,
         protocol=args.protocol,
         metrics_url=args.metrics_url,
-        metrics_name=args.metrics_name,
+        metrics_names=tuple(n.strip() for n in args.metrics_name.split(",") if n.strip()),
         metrics_match=_label_pairs(args.metrics_match),
         metrics_wait_s=args.metrics_wait,
         seed=args.seed,

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 
 import httpx
 
-DEFAULT_METRIC = "ray_serve_deployment_processing_latency_ms"  # Ray Serve's own, per deployment (= model)
+# Tried in order; the first with observations for the model is used: the service's end-to-end latency at its
+# ingress (labelled by model), else Ray Serve's own processing latency of the model's deployment (named after it).
+DEFAULT_METRICS = ("ray_mha_request_latency_seconds", "ray_serve_deployment_processing_latency_ms")
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
@@ -52,14 +54,15 @@ def parse_histogram(text: str, name: str, match: dict[str, str] | None = None, m
     return Histogram(buckets)
 
 
-def scrape(client: httpx.Client, url: str, name: str, match: dict[str, str] | None = None) -> Histogram:
+def scrape(client: httpx.Client, url: str, names: tuple[str, ...], match: dict[str, str]) -> dict[str, Histogram]:
+    """One read of the metrics URL: each named histogram, restricted to series with the `match` labels."""
     try:
         response = client.get(url)
     except httpx.HTTPError as exc:
         raise MetricsError(f"cannot read metrics at {url}: {exc.__class__.__name__}: {exc}") from None
     if response.status_code != 200:
         raise MetricsError(f"metrics URL {url} answered {response.status_code}")
-    return parse_histogram(response.text, name, match)
+    return {name: parse_histogram(response.text, name, match) for name in names}
 
 
 def delta(before: Histogram, after: Histogram, model: str) -> dict[float, float]:
@@ -108,13 +111,37 @@ def server_percentiles(before: Histogram, after: Histogram, model: str, name: st
     return out
 
 
-def wait_for_count(
-    client: httpx.Client, url: str, name: str, match: dict[str, str], model: str, at_least: float, timeout_s: float
-) -> Histogram:
-    """Scrape until `model`'s count reaches `at_least` (metrics are exported with a delay) or the timeout passes."""
+def settled_name(hists: dict[str, Histogram], model: str, base: dict[str, float], target: dict[str, float]) -> str:
+    """The first histogram (in order) whose count for `model` reached its target; "" while one is still catching up.
+
+    A histogram with no new observations since `base` is skipped (the service does not record it).
+    """
+    for name, hist in hists.items():
+        count = hist.count(model)
+        if count >= target[name]:
+            return name
+        if count > base[name]:
+            return ""  # data for this one is still arriving: wait for it
+    return ""
+
+
+def wait_for_counts(
+    client: httpx.Client,
+    url: str,
+    names: tuple[str, ...],
+    match: dict[str, str],
+    model: str,
+    base: dict[str, float],
+    new_observations: float,
+    timeout_s: float,
+) -> tuple[dict[str, Histogram], str]:
+    """Scrape until a histogram holds `new_observations` more for `model` than at `base` (metrics are exported with
+    a delay) or the timeout passes; the scrape and the histogram's name ("" on timeout)."""
+    target = {name: base.get(name, 0.0) + new_observations for name in names}
     deadline = time.monotonic() + timeout_s
     while True:
-        hist = scrape(client, url, name, match)
-        if hist.count(model) >= at_least or time.monotonic() >= deadline:
-            return hist
+        hists = scrape(client, url, names, match)
+        name = settled_name(hists, model, {n: base.get(n, 0.0) for n in names}, target)
+        if name or time.monotonic() >= deadline:
+            return hists, name
         time.sleep(0.5)

@@ -33,7 +33,7 @@ class Plan:
     batch_size: int = 1
     protocol: str = "simple"
     metrics_url: str = ""
-    metrics_name: str = server_metrics.DEFAULT_METRIC
+    metrics_names: tuple[str, ...] = server_metrics.DEFAULT_METRICS  # the first with data is used
     metrics_match: tuple[tuple[str, str], ...] = ()  # only series with these labels, e.g. (("application", "mha"),)
     metrics_wait_s: float = 20.0
     seed: int = 0
@@ -50,34 +50,53 @@ class Outcome:
 
 
 class _ServerSide:
-    """Scrapes around each level; turns itself off (with a note) when the metric cannot be read."""
+    """Scrapes around each level; settles on the first metric name with data; turns itself off (with a note) when
+    no metric can be read."""
 
     def __init__(self, plan: Plan, outcome: Outcome):
         self.plan = plan
         self.outcome = outcome
+        self.names = plan.metrics_names
+        self.match = dict(plan.metrics_match)
+        self.base: dict[str, float] = {}
         self.enabled = bool(plan.metrics_url)
         self.client = httpx.Client(timeout=10.0, trust_env=False)
 
     def _off(self, why: str) -> None:
         self.enabled = False
+        self.base = {}
         self.outcome.notes.append(f"server-side percentiles omitted: {why}")
 
-    def settle(self, model: str, at_least: float) -> server_metrics.Histogram | None:
-        """A scrape once `model` has recorded `at_least` observations (or None when turned off)."""
+    def start(self, model: str) -> None:
+        """Note each histogram's count for `model` before any of its load."""
+        self.base = {}
+        if self.enabled:
+            try:
+                hists = server_metrics.scrape(self.client, self.plan.metrics_url, self.names, self.match)
+            except server_metrics.MetricsError as exc:
+                return self._off(str(exc))
+            self.base = {name: hist.count(model) for name, hist in hists.items()}
+
+    def settle(self, model: str, ok_since_start: int) -> dict[str, server_metrics.Histogram] | None:
+        """A scrape once `model` has `ok_since_start` new observations in a histogram (None when turned off)."""
         if not self.enabled:
             return None
-        name, url, match = self.plan.metrics_name, self.plan.metrics_url, dict(self.plan.metrics_match)
+        url, wait = self.plan.metrics_url, self.plan.metrics_wait_s
         try:
-            hist = server_metrics.wait_for_count(
-                self.client, url, name, match, model, at_least, self.plan.metrics_wait_s
-            )
+            args = (self.client, url, self.names, self.match, model, self.base, ok_since_start, wait)
+            hists, name = server_metrics.wait_for_counts(*args)
         except server_metrics.MetricsError as exc:
-            self._off(str(exc))
-            return None
-        if at_least > 0 and hist.count(model) == 0:
-            self._off(f"no histogram {name!r} for model {model} at {url} (set --metrics-name)")
-            return None
-        return hist
+            return self._off(str(exc))
+        if ok_since_start > 0:
+            if not name:
+                names = " or ".join(repr(n) for n in self.names)
+                return self._off(f"no histogram {names} counted {ok_since_start} requests to {model} at {url}")
+            self.names = (name,)  # from now on, this one
+        return hists
+
+    def percentiles(self, before: dict, after: dict, model: str) -> dict[str, object]:
+        name = self.names[0]
+        return server_metrics.server_percentiles(before[name], after[name], model, name)
 
 
 async def _phase(target: Target, level: Level, plan: Plan, duration: float, stop, progress, label) -> Recorder:
@@ -97,8 +116,8 @@ async def _run_model(model: ModelInfo, plan: Plan, outcome: Outcome, stop, progr
     bodies, notes = build_bodies(plan.seq_len, model.max_len, plan.batch_size, plan.protocol, seed=plan.seed)
     outcome.notes += [f"{model.name}: {n}" for n in notes]
     target = Target(model, plan.base_url + endpoint(plan.protocol, model.name), tuple(bodies), plan.batch_size)
-    base = await asyncio.to_thread(server.settle, model.name, 0)
-    seen_ok = base.count(model.name) if base else 0.0
+    await asyncio.to_thread(server.start, model.name)
+    seen_ok = 0  # successful requests to this model so far, warm-ups included
     for level in plan.levels:
         if stop.is_set():
             return
@@ -114,9 +133,7 @@ async def _run_model(model: ModelInfo, plan: Plan, outcome: Outcome, stop, progr
         result = replace(rec.result(target, level), warmup_sent=warm_sent, warmup_ok=warm_ok)
         after = await asyncio.to_thread(server.settle, model.name, seen_ok) if before else None
         if before and after:
-            result = replace(
-                result, server=server_metrics.server_percentiles(before, after, model.name, plan.metrics_name)
-            )
+            result = replace(result, server=server.percentiles(before, after, model.name))
         outcome.results.append(result)
         if result.client_cpu_pct > CLIENT_CPU_WARN_PCT:
             outcome.notes.append(
@@ -137,8 +154,9 @@ async def run_session(plan: Plan, outcome: Outcome, stop: asyncio.Event, progres
     server = _ServerSide(plan, outcome)
     if server.enabled:
         progress.note(
-            f"server-side latency from {plan.metrics_url} ({plan.metrics_name}): after each phase, waiting up to "
-            f"{plan.metrics_wait_s:g} s for the service's metrics to catch up (Ray exports them every ~10 s)"
+            f"server-side latency from {plan.metrics_url} ({' or '.join(plan.metrics_names)}): after each phase, "
+            f"waiting up to {plan.metrics_wait_s:g} s for the service's metrics to catch up (Ray exports them every "
+            "~10 s by default)"
         )
     try:
         for model in plan.models:

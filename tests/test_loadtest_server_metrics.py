@@ -7,7 +7,14 @@ import math
 import numpy as np
 import pytest
 
-from loadtest.server_metrics import Histogram, bucket_quantile, parse_histogram, server_percentiles, unit_scale
+from loadtest.server_metrics import (
+    Histogram,
+    bucket_quantile,
+    parse_histogram,
+    server_percentiles,
+    settled_name,
+    unit_scale,
+)
 
 BOUNDS = [1.0, 2.0, 5.0, 10.0, 25.0, 50.0, 100.0]
 
@@ -78,3 +85,14 @@ def test_series_can_be_restricted_to_matching_labels():
     assert parse_histogram(text, "lat_ms").count("m") == 3
     assert parse_histogram(text, "lat_ms", match={"app": "other"}).count("m") == 1
     assert parse_histogram(text, "lat_ms", match={"app": "absent"}).buckets == {}
+
+
+def test_the_first_histogram_with_data_is_chosen_and_a_lagging_one_is_waited_for():
+    def hists(first: float, second: float) -> dict[str, Histogram]:
+        return {"ingress": Histogram({"m": {math.inf: first}}), "serve": Histogram({"m": {math.inf: second}})}
+
+    base, target = {"ingress": 10.0, "serve": 50.0}, {"ingress": 20.0, "serve": 60.0}
+    assert settled_name(hists(20, 60), "m", base, target) == "ingress"
+    assert settled_name(hists(15, 60), "m", base, target) == ""  # ingress data still arriving: wait for it
+    assert settled_name(hists(10, 60), "m", base, target) == "serve"  # ingress records nothing for m: skip it
+    assert settled_name(hists(10, 55), "m", base, target) == ""
