@@ -183,3 +183,21 @@ def test_the_locustfile_drives_every_model_through_the_same_endpoints(app, tmp_p
         rows = {row["Name"]: row for row in csv.DictReader(f)}
     for model in MODELS:
         assert int(rows[f"{model} (v2)"]["Request Count"]) > 0 and rows[f"{model} (v2)"]["Failure Count"] == "0"
+
+
+def test_models_that_never_get_ready_make_a_partial_report_and_exit_1(limited_service, tmp_path):
+    """The limited application serves one good model next to three broken folders (missing, corrupt, inconsistent)."""
+    run = loadtest(
+        *("--url", limited_service.base_url, "--models", "all", "--ready-timeout", "1", "--concurrency", "1"),
+        *("--duration", "1", "--warmup", "0", "--out", str(tmp_path)),
+    )
+    assert run.returncode == 1, run.stderr
+    assert (
+        run.stderr.strip().count("\n") == 0 and "not ready after 1 s; skipped (+2 more, see the report)" in run.stderr
+    )
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["status"] == "partial"
+    assert [m["name"] for m in report["models"]] == ["mha-h2-d32"]
+    assert [r["model"] for r in report["levels"]] == ["mha-h2-d32"] and report["levels"][0]["ok"] > 0
+    for broken in ("mha-corrupt", "mha-h9-d32", "mha-missing"):
+        assert f"{broken}: not ready after 1 s; skipped" in report["message"]
