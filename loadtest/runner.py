@@ -7,7 +7,9 @@ hide its own queueing (no coordinated omission); arrivals beyond the outstanding
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
+import ssl
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -77,14 +79,18 @@ class Recorder:
         """Close the phase: the CPU time this process spent on it."""
         self.cpu_s = time.process_time() - self.cpu_start
 
-    def take(self) -> bool:
-        """Reserve one send; False (and why, in stopped_by) once any bound is reached."""
+    def take(self, scheduled: bool = False) -> bool:
+        """Reserve one send; False (and why, in stopped_by) once any bound is reached.
+
+        A `scheduled` send (open loop) is never refused for lateness: its schedule already ends within the duration,
+        and a late send is measured from its scheduled time.
+        """
         if not self.stopped_by:
             if self.stop.is_set():
                 self.stopped_by = "interrupted"
             elif self.sent >= self.max_requests:
                 self.stopped_by = "max_requests"
-            elif time.perf_counter() >= self.deadline:
+            elif not scheduled and time.perf_counter() >= self.deadline:
                 self.stopped_by = "duration"
         if self.stopped_by:
             return False
@@ -105,7 +111,9 @@ class Recorder:
             self.stopped_by = f"aborted: the first {failed} requests all failed ({self.describe_errors()})"
 
     def describe_errors(self) -> str:
-        return ", ".join(f"{k}: {n}" for k, n in self.errors.most_common())
+        if self.sent == 0:
+            return "nothing was sent"
+        return ", ".join(f"{k}: {n}" for k, n in self.errors.most_common()) or "nothing was answered"
 
     def result(self, target: Target, level: Level) -> LevelResult:
         # the measured window: the whole --duration when that was the bound (an open loop's last arrival may come
@@ -202,7 +210,7 @@ async def open_loop(client: httpx.AsyncClient, target: Target, rate: float, cap:
             if len(inflight) >= cap:
                 rec.dropped += 1
                 continue
-            if not rec.take():
+            if not rec.take(scheduled=True):
                 break
             task = asyncio.create_task(one(scheduled, target.bodies[i % len(target.bodies)]))
             inflight.add(task)
@@ -237,8 +245,13 @@ async def run_phase(
         rec.finish()
 
 
+@functools.cache
+def _tls() -> ssl.SSLContext:
+    return ssl.create_default_context()  # made once: loading the CA store takes ~0.1 s, each client would redo it
+
+
 def make_client(level: Level, limits: Limits) -> httpx.AsyncClient:
     """A client whose connection pool matches the level's concurrency (or the open-loop cap)."""
     size = int(level.value) if level.mode == "closed" else limits.max_outstanding
     pool = httpx.Limits(max_connections=size, max_keepalive_connections=size)
-    return httpx.AsyncClient(limits=pool, timeout=limits.timeout_s, trust_env=False)
+    return httpx.AsyncClient(limits=pool, timeout=limits.timeout_s, trust_env=False, verify=_tls())

@@ -99,9 +99,11 @@ class _ServerSide:
         return server_metrics.server_percentiles(before[name], after[name], model, name)
 
 
-async def _phase(target: Target, level: Level, plan: Plan, duration: float, stop, progress, label) -> Recorder:
-    rec = Recorder(duration, plan.limits.max_requests, stop)
+async def _phase(
+    target: Target, level: Level, plan: Plan, duration: float, stop: asyncio.Event, progress: Progress, label: str
+) -> Recorder:
     async with make_client(level, plan.limits) as client:
+        rec = Recorder(duration, plan.limits.max_requests, stop)  # the clock starts once the client is ready
         watcher = asyncio.ensure_future(progress.watch(label, rec))
         try:
             await run_phase(target, level, plan.limits, rec, client, seed=plan.seed)
@@ -112,7 +114,27 @@ async def _phase(target: Target, level: Level, plan: Plan, duration: float, stop
     return rec
 
 
-async def _run_model(model: ModelInfo, plan: Plan, outcome: Outcome, stop, progress, server: _ServerSide) -> None:
+def _keep(result: LevelResult, rec: Recorder, outcome: Outcome, progress: Progress) -> bool:
+    """Add a level's result to the outcome; False when the model failed (its remaining levels are skipped)."""
+    outcome.results.append(result)
+    progress.done(result)
+    where = f"{result.model} {result.level}"
+    if result.client_cpu_pct > CLIENT_CPU_WARN_PCT:
+        outcome.notes.append(
+            f"{where}: the load tester itself used {result.client_cpu_pct:.0f}% of a core; "
+            "when it shares the machine with the service, the service's numbers are a lower bound"
+        )
+    if result.ok == 0 and result.stopped_by != "interrupted":
+        outcome.failures.append(
+            f"{where}: no successful responses ({rec.describe_errors()}); skipped its remaining levels"
+        )
+        return False
+    return True
+
+
+async def _run_model(
+    model: ModelInfo, plan: Plan, outcome: Outcome, stop: asyncio.Event, progress: Progress, server: _ServerSide
+) -> None:
     bodies, notes = build_bodies(plan.seq_len, model.max_len, plan.batch_size, plan.protocol, seed=plan.seed)
     outcome.notes += [f"{model.name}: {n}" for n in notes]
     target = Target(model, plan.base_url + endpoint(plan.protocol, model.name), tuple(bodies), plan.batch_size)
@@ -127,25 +149,18 @@ async def _run_model(model: ModelInfo, plan: Plan, outcome: Outcome, stop, progr
             warm = await _phase(target, level, plan, plan.limits.warmup_s, stop, progress, label)
             warm_sent, warm_ok = warm.sent, warm.ok
             seen_ok += warm.ok
+            if stop.is_set():
+                return
         before = await asyncio.to_thread(server.settle, model.name, seen_ok)
         rec = await _phase(target, level, plan, plan.limits.duration_s, stop, progress, f"{model.name} {level.label}")
+        if rec.sent == 0 and stop.is_set():
+            return
         seen_ok += rec.ok
         result = replace(rec.result(target, level), warmup_sent=warm_sent, warmup_ok=warm_ok)
-        after = await asyncio.to_thread(server.settle, model.name, seen_ok) if before else None
+        after = await asyncio.to_thread(server.settle, model.name, seen_ok) if before and not stop.is_set() else None
         if before and after:
             result = replace(result, server=server.percentiles(before, after, model.name))
-        outcome.results.append(result)
-        if result.client_cpu_pct > CLIENT_CPU_WARN_PCT:
-            outcome.notes.append(
-                f"{model.name} {level.label}: the load tester itself used {result.client_cpu_pct:.0f}% of a core; "
-                "when it shares the machine with the service, the service's numbers are a lower bound"
-            )
-        progress.done(result)
-        if result.ok == 0 and result.stopped_by != "interrupted":
-            outcome.failures.append(
-                f"{model.name} {level.label}: no successful responses ({rec.describe_errors() or 'nothing answered'}); "
-                "skipped its remaining levels"
-            )
+        if not _keep(result, rec, outcome, progress):
             return
 
 

@@ -175,7 +175,7 @@ def test_the_locustfile_drives_every_model_through_the_same_endpoints(app, tmp_p
             pytest.fail(message)
         pytest.skip(message)
     command = [str(locust), "-f", str(ROOT / "loadtest" / "locustfile.py"), "--host", app.base_url, "--headless"]
-    command += ["-u", "2", "-r", "2", "-t", "3s", "--csv", str(tmp_path / "locust"), "--only-summary"]
+    command += ["-u", "2", "-r", "2", "-t", "10s", "--csv", str(tmp_path / "locust"), "--only-summary"]
     env = {**os.environ, "MHA_SEQ_LEN": "uniform:4:20", "MHA_PROTOCOL": "v2", "MHA_BATCH_SIZE": "2"}
     run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
