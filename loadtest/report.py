@@ -80,9 +80,22 @@ def level_rows(results: list[LevelResult], with_server: bool) -> tuple[list[str]
 def markdown(report: dict[str, object], results: list[LevelResult], plots: list[str]) -> str:
     """report.md: settings, status, the per-level table, errors with an example message, notes, plots."""
     lines = ["# Load test report", ""]
-    for key in ("status", "message", "url", "started_at", "finished_at", "protocol", "seq_len", "batch_size"):
-        lines.append(f"- {key}: {report.get(key, '')}")
-    lines.append(f"- per level: {report.get('limits', '')}")
+    for key in ("status", "message", "measured", "url", "started_at", "finished_at", "protocol", "seq_len"):
+        if report.get(key) not in (None, ""):
+            lines.append(f"- {key}: {report[key]}")
+    limits = report.get("limits")
+    if isinstance(limits, dict):
+        lines.append(
+            f"- per level: {limits['duration_s']:g} s or {limits['max_requests']} requests, whichever comes first, "
+            f"after {limits['warmup_s']:g} s of warm-up; batch size {report.get('batch_size', 1)}; request timeout "
+            f"{limits['timeout_s']:g} s; open loop: at most {limits['max_outstanding']} requests in flight"
+        )
+    machine = report.get("machine")
+    if isinstance(machine, dict):
+        lines.append(f"- client machine: {machine.get('cpus')} CPUs, {machine.get('platform')}")
+    metrics = sorted({str(r.server["metric"]) for r in results if "metric" in r.server})
+    if metrics:
+        lines.append(f"- server-side latency: histogram {', '.join(metrics)}, observations during each level only")
     lines += ["", "## Per model and load level", ""]
     if results:
         headers, rows = level_rows(results, with_server=any("count" in r.server for r in results))
