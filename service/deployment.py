@@ -19,6 +19,7 @@ from service import batching
 from service.attention_api import AttentionResult, AttentionVariant
 from service.config import DeploymentSettings
 from service.errors import ModelFileError, NotReadyError
+from service.metrics import ReplicaMetrics, model_labels
 from service.runtime import Runtime, load_runtime
 
 
@@ -62,6 +63,9 @@ class ModelServer:
         except ModelFileError as exc:  # BackendError is not caught: the replica fails at start, saying why
             self._error = str(exc)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ort-{name}")
+        self._metrics = ReplicaMetrics()
+        rt = self._runtime
+        self._labels = model_labels(rt.meta, rt.backend) if rt is not None else model_labels(None, "", name)
         self._attention = AttentionVariant(models_dir, name, settings.threads())  # opened on first use only
         self._batched.set_max_batch_size(settings.max_batch_size)
         self._batched.set_batch_wait_timeout_s(settings.batch_wait_timeout_s)
@@ -88,6 +92,7 @@ class ModelServer:
         start = time.perf_counter()
         logits = await asyncio.get_running_loop().run_in_executor(self._pool, self._runtime.run, ids, mask)
         run_s = time.perf_counter() - start
+        self._metrics.batch(self._labels, len(ids), ids.size, run_s, [start - t0 for _, _, t0 in items])
         parts = batching.split(logits, rows)  # one (n_i, C) per request
         return [InferResult(p, len(ids), start - t0, run_s) for p, (_, _, t0) in zip(parts, items, strict=True)]
 

@@ -6,6 +6,7 @@ It validates and tokenizes requests against each model's metadata, then calls th
 import asyncio
 import json
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -29,6 +30,7 @@ from service.errors import (
     OverCapacityError,
     ServiceError,
 )
+from service.metrics import UNKNOWN_MODEL, IngressMetrics, model_labels
 from service.protocol import simple, v2
 from service.validation import Rows
 
@@ -131,6 +133,7 @@ class Ingress:
         self._handles = models
         self._config = config
         self._ready: dict[str, ModelStatus] = {}  # name -> status of a loaded model (metadata never changes)
+        self._metrics = IngressMetrics()
         app.state.max_body_bytes = config.limits.max_body_bytes
 
     def _handle(self, name: str) -> DeploymentHandle:
@@ -146,9 +149,33 @@ class Ingress:
         except TimeoutError:
             reason = f"no replica answered within {STATUS_TIMEOUT_S:g} s (starting, or failed at start: `serve status`)"
             return ModelStatus(name, False, reason)
-        if status.ready:
+        if status.ready and name not in self._ready:
             self._ready[name] = status
+            self._metrics.model_info(status.metadata, status.backend)
         return status
+
+    async def _labels(self, name: str) -> dict[str, str]:
+        """The metric labels of a request to `name`: its head configuration once loaded, a fixed label if unknown."""
+        if name not in self._handles:
+            return model_labels(None, "", UNKNOWN_MODEL)
+        status = self._ready.get(name) or await self._status(name)
+        return model_labels(status.metadata, status.backend, name)
+
+    async def _measured(self, endpoint: str, name: str, work: Callable[[], Awaitable[Response]]) -> Response:
+        """Run one inference request's handler, recording latency, status code, rejections and in-flight."""
+        start = time.perf_counter()
+        labels = await self._labels(name)
+        self._metrics.started(labels)
+        code, rejected = 500, False
+        try:
+            response = await work()
+            code = response.status_code
+            return response
+        except ServiceError as exc:
+            code, rejected = exc.status, isinstance(exc, OverCapacityError)
+            raise
+        finally:
+            self._metrics.finished(labels, endpoint, code, time.perf_counter() - start, rejected)
 
     async def _ready_model(self, name: str) -> ModelStatus:
         status = self._ready.get(name) or await self._status(name)
@@ -215,13 +242,16 @@ class Ingress:
     @app.post("/v2/models/{name}/infer", openapi_extra=_openapi_body(v2.InferRequest))
     @app.post("/v2/models/{name}/versions/{version}/infer", openapi_extra=_openapi_body(v2.InferRequest))
     async def infer(self, name: str, request: Request, version: str | None = None) -> Response:
-        self._check_version(name, version)
-        self._handle(name)  # 404 before looking at the body
-        body = await self._body(request, v2.InferRequest)
-        meta: ModelMetadata = (await self._ready_model(name)).metadata
-        v2.requested_outputs(body)
-        result = await self._infer(name, v2.decode(body, meta, self._config.limits.max_rows))
-        return json_response(v2.infer_response(name, body, result.logits))
+        async def work() -> Response:
+            self._check_version(name, version)
+            self._handle(name)  # 404 before looking at the body
+            body = await self._body(request, v2.InferRequest)
+            meta: ModelMetadata = (await self._ready_model(name)).metadata
+            v2.requested_outputs(body)
+            result = await self._infer(name, v2.decode(body, meta, self._config.limits.max_rows))
+            return json_response(v2.infer_response(name, body, result.logits))
+
+        return await self._measured("v2_infer", name, work)
 
     # ---- simple JSON ----
     @app.get("/v1/models")
@@ -231,18 +261,21 @@ class Ingress:
 
     @app.post("/v1/models/{name}/predict", openapi_extra=_openapi_body(simple.PredictRequest))
     async def predict(self, name: str, request: Request) -> Response:
-        start = time.perf_counter()
-        self._handle(name)  # 404 before looking at the body
-        body = await self._body(request, simple.PredictRequest)
-        status = await self._ready_model(name)
-        result = await self._infer(name, simple.decode(body, status.metadata, self._config.limits.max_rows))
-        timing = {
-            "total_ms": (time.perf_counter() - start) * 1e3,
-            "queue_ms": result.queue_s * 1e3,
-            "run_ms": result.run_s * 1e3,
-            "batch_rows": result.batch_rows,
-        }
-        return json_response(simple.predict_response(body, status.metadata, status.backend, result.logits, timing))
+        async def work() -> Response:
+            start = time.perf_counter()
+            self._handle(name)  # 404 before looking at the body
+            body = await self._body(request, simple.PredictRequest)
+            status = await self._ready_model(name)
+            result = await self._infer(name, simple.decode(body, status.metadata, self._config.limits.max_rows))
+            timing = {
+                "total_ms": (time.perf_counter() - start) * 1e3,
+                "queue_ms": result.queue_s * 1e3,
+                "run_ms": result.run_s * 1e3,
+                "batch_rows": result.batch_rows,
+            }
+            return json_response(simple.predict_response(body, status.metadata, status.backend, result.logits, timing))
+
+        return await self._measured("v1_predict", name, work)
 
     @app.post("/v1/models/{name}/attention", openapi_extra=_openapi_body(attention_api.AttentionRequest))
     async def attention(self, name: str, request: Request) -> Response:

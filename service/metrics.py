@@ -78,12 +78,13 @@ class IngressMetrics:
         self._in_flight[key] = self._in_flight.get(key, 0) + 1
         self.in_flight.set(self._in_flight[key], tags=labels)
 
-    def finished(self, labels: dict[str, str], endpoint: str, code: int, seconds: float) -> None:
+    def finished(self, labels: dict[str, str], endpoint: str, code: int, seconds: float, rejected: bool) -> None:
+        """One request done: `rejected` when it was refused for capacity (a 503 that is not "not ready")."""
         key = tuple(labels.values())
         self._in_flight[key] = max(0, self._in_flight.get(key, 0) - 1)
         self.in_flight.set(self._in_flight[key], tags=labels)
         self.requests.inc(tags={**labels, "endpoint": endpoint, "code": str(code)})
-        if code == 503:
+        if rejected:
             self.rejected.inc(tags=labels)
         self.latency.observe(seconds, tags={**labels, "endpoint": endpoint})
 

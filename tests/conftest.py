@@ -49,11 +49,19 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
-def serve_port():
+def metrics_port() -> int:
+    """The port of the session Ray's metrics export (Prometheus text at /metrics)."""
+    from serving import free_port
+
+    return free_port()
+
+
+@pytest.fixture(scope="session")
+def serve_port(metrics_port):
     """One embedded Ray (2 CPUs) with Serve on a free 127.0.0.1 port for the whole session; its HTTP port."""
     from serving import start_ray_and_serve, stop_ray
 
-    port = start_ray_and_serve()
+    port = start_ray_and_serve(metrics_port)
     yield port
     stop_ray()
 

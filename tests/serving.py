@@ -31,13 +31,23 @@ class Served:
         return httpx.Client(base_url=self.base_url, timeout=30, **kwargs)
 
 
-def start_ray_and_serve() -> int:
-    """An embedded local Ray of its own (never another session's cluster) with Serve on a free port."""
+def start_ray_and_serve(metrics_port: int | None = None) -> int:
+    """An embedded local Ray of its own (never another session's cluster) with Serve on a free port.
+
+    Ray's metrics export (every replica's series on one /metrics URL) listens on `metrics_port` when given.
+    """
     import ray
     from ray import serve
 
     port = free_port()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        configure_logging=False,
+        log_to_driver=False,
+        _metrics_export_port=metrics_port,
+    )
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     return port
 

@@ -1,0 +1,146 @@
+"""Metrics per head configuration, scraped by a real Prometheus from the session Ray's metrics export port.
+
+Traffic goes to an application of its own ("metrics"), so the counts checked are exactly what this test sent.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from prometheus import PROMETHEUS_YML, PrometheusServer
+from serving import deploy
+
+from service import metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+RULES = ROOT / "deploy" / "rules.yml"
+K8S_RULES = ROOT / "deploy" / "k8s" / "base" / "prometheusrule.yaml"
+DASHBOARD = ROOT / "deploy" / "grafana" / "mha-serving.json"
+APP = "metrics"
+SEQUENTIAL = {"mha-h2-d32": 13, "mha-h4-d32": 7}  # requests sent one at a time (all succeed)
+BURST = 12  # concurrent requests at the slow, tiny-queue mha-h4-d32 deployment: some are rejected (503)
+
+
+def promtool() -> str:
+    binary = shutil.which("promtool")
+    if binary is None:
+        pytest.skip("promtool is not installed (apt-get install prometheus; .ci/run does this)")
+    return binary
+
+
+def test_promtool_accepts_the_local_prometheus_config_and_rules():
+    for args in (["check", "config", str(PROMETHEUS_YML)], ["check", "rules", str(RULES)]):
+        result = subprocess.run([promtool(), *args], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_local_rules_are_the_prometheusrule_groups_of_the_cluster():
+    local = yaml.safe_load(RULES.read_text())["groups"]
+    cluster = yaml.safe_load(K8S_RULES.read_text())["spec"]["groups"]
+    assert local == cluster
+
+
+def dashboard_metric_names() -> set[str]:
+    """Every metric a dashboard query names, without the histogram suffixes."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    exprs.append(dashboard["templating"]["list"][1]["query"]["query"])
+    names = set()
+    for expr in exprs:
+        for name in re.findall(r"\bray_mha_[a-z_]+", expr):
+            names.add(re.sub(r"_(bucket|sum|count)$", "", name))
+    return names
+
+
+def test_dashboard_queries_name_only_metrics_the_service_defines():
+    source = Path(metrics.__file__).read_text()
+    defined = {f"ray_{n}" for n in re.findall(r'"(mha_[a-z_]+)"', source)}
+    names = dashboard_metric_names()
+    assert names, "the dashboard names no metric"
+    assert names <= defined, f"dashboard names undefined metrics: {sorted(names - defined)}"
+
+
+@pytest.fixture(scope="module")
+def metrics_app(serve_port, tiny_models_dir):
+    slow_and_small = {"num_cpus": 0.1, "max_ongoing_requests": 1, "max_queued_requests": 1, "batch_wait_timeout_s": 0.3}
+    return deploy(serve_port, APP, tiny_models_dir, overrides={"mha-h4-d32": slow_and_small})
+
+
+def send_sequential(base_url: str, sent: Counter) -> None:
+    """Requests one at a time to each model (all must succeed), counted by (model, code) into `sent`."""
+    with httpx.Client(base_url=base_url, timeout=30) as client:
+        for name, n in SEQUENTIAL.items():
+            for i in range(n):
+                r = client.post(f"/v1/models/{name}/predict", json={"text": f"request {i} to {name}"})
+                assert r.status_code == 200, r.text
+                sent[(name, "200")] += 1
+
+
+def send_burst(base_url: str, sent: Counter) -> None:
+    """BURST concurrent requests at the slow, tiny-queue deployment; codes counted into `sent`."""
+    with httpx.Client(base_url=base_url, timeout=30) as client, ThreadPoolExecutor(BURST) as pool:
+
+        def one(i: int) -> int:
+            return client.post("/v1/models/mha-h4-d32/predict", json={"text": f"burst {i}"}).status_code
+
+        for code in pool.map(one, range(BURST)):
+            sent[("mha-h4-d32", str(code))] += 1
+
+
+@pytest.mark.serve
+def test_prometheus_sees_latency_percentiles_and_exact_counts_per_head_configuration(metrics_app, metrics_port):
+    selector = f'application="{APP}"'
+    with PrometheusServer(f"127.0.0.1:{metrics_port}") as prom:  # scraping before, during and after the traffic
+
+        def counts(result) -> dict:
+            return {(r["metric"]["model"], r["metric"]["code"]): int(float(r["value"][1])) for r in result}
+
+        # Two phases, each waited for in Prometheus, so every series rises between scrapes (rate() needs that).
+        counts_query = f"sum by (model, code) (ray_mha_requests_total{{{selector}}})"
+        sent: Counter = Counter()
+        send_sequential(metrics_app.base_url, sent)
+        prom.wait_for(counts_query, lambda res: counts(res) == dict(sent), timeout_s=90)
+        send_sequential(metrics_app.base_url, sent)
+        send_burst(metrics_app.base_url, sent)
+        assert sent[("mha-h4-d32", "503")] > 0, f"the burst was not rejected at all: {sent}"
+        assert {code for _, code in sent} <= {"200", "503"}, sent
+        seen = prom.wait_for(counts_query, lambda res: counts(res) == dict(sent), timeout_s=90)
+        assert counts(seen) == dict(sent)
+
+        def finite_per_heads(result) -> bool:
+            return len(result) == 2 and all(0 < float(r["value"][1]) < 10 for r in result)
+
+        latency = f"rate(ray_mha_request_latency_seconds_bucket{{{selector}}}[1m])"
+        for q in ("0.50", "0.99"):
+            series = prom.wait_for(f"histogram_quantile({q}, sum by (le, heads) ({latency}))", finite_per_heads, 30)
+            assert sorted(r["metric"]["heads"] for r in series) == ["2", "4"]
+
+        rejected = prom.query(f"sum by (model, heads) (ray_mha_rejected_requests_total{{{selector}}})")
+        assert [(r["metric"]["model"], r["metric"]["heads"], int(float(r["value"][1]))) for r in rejected] == [
+            ("mha-h4-d32", "4", sent[("mha-h4-d32", "503")])
+        ]
+        batches = prom.wait_for(  # recorded in the model replicas, exported on their own schedule
+            f"sum by (model) (ray_mha_batch_size_count{{{selector}}})",
+            lambda res: {r["metric"]["model"] for r in res} == set(SEQUENTIAL),
+            timeout_s=60,
+        )
+        rows = {r["metric"]["model"]: float(r["value"][1]) for r in batches}
+        assert 0 < rows["mha-h2-d32"] <= sent[("mha-h2-d32", "200")], rows  # batches never outnumber requests
+
+        info = prom.query(f"ray_mha_model_info{{{selector}}}")
+        assert {(r["metric"]["model"], r["metric"]["head_dim"], r["metric"]["backend"]) for r in info} == {
+            ("mha-h2-d32", "16", "cpu"),
+            ("mha-h4-d32", "8", "cpu"),
+        }
+        for name in sorted(dashboard_metric_names()):
+            present = prom.query(f'count({{__name__=~"{name}(_bucket)?", {selector}}})')
+            assert present, f"dashboard metric {name} has no series after traffic"
