@@ -20,6 +20,7 @@ import numpy as np
 
 from export.metadata import MODEL_FILE, config_name
 from service.bench_client import LoadResult, load, post_bytes
+from service.config import AppConfig
 from service.runtime import load_runtime
 
 MODELS = {"small": (128, 4, 2), "default": (512, 8, 4)}  # d_model, heads, layers
@@ -117,30 +118,23 @@ def plain_fastapi(models_dir: Path, name: str, args) -> tuple[LoadResult, LoadRe
 
 
 def served(models_dir: Path, names: dict[str, str], args) -> dict[str, tuple[LoadResult, LoadResult]]:
-    import ray
-    from ray import serve
+    """The service as `mha-serving serve` starts it (direct ingress unless --proxy), measured over HTTP."""
+    from service.launcher import LocalServe, shutdown, start_local
 
-    from service.app import build_app
-
-    port = free_port()
     settings: dict = {"num_cpus": 0.5, "max_batch_size": args.max_batch_size}
     settings.update(batch_wait_timeout_s=args.batch_wait, max_ongoing_requests=args.max_ongoing)
     if args.threads:
         settings["intra_op_threads"] = args.threads
-    config = {"models_dir": str(models_dir), "models": sorted(names.values()), "backend": "cpu"}
-    config["deployment"] = settings
-    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+    config = AppConfig(models_dir=str(models_dir), models=sorted(names.values()), backend="cpu", deployment=settings)
+    opts = LocalServe(port=free_port(), metrics_port=None, direct=not args.proxy)
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        logging = {"enable_access_log": False, "log_level": "WARNING"}
-        serve.run(build_app(config), name="bench", route_prefix="/", blocking=False, logging_config=logging)
+        start_local(config, opts)
         return {
-            label: measure_http(port, f"/v2/models/{name}/infer", args.seconds, args.concurrency)
+            label: measure_http(opts.port, f"/v2/models/{name}/infer", args.seconds, args.concurrency)
             for label, name in names.items()
         }
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        shutdown()
 
 
 def report(names, bare, plain, service, concurrency: int) -> dict:
@@ -196,9 +190,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-batch-size", type=int, default=32)
     p.add_argument("--batch-wait", type=float, default=0.0, help="batch_wait_timeout_s (default: 0)")
     p.add_argument("--max-ongoing", type=int, default=64, help="max_ongoing_requests per replica")
+    p.add_argument("--proxy", action="store_true", help="through Serve's proxy instead of direct ingress")
     p.add_argument("--skip-plain", action="store_true", help="skip the plain FastAPI + ORT reference server")
     p.add_argument("--json", type=Path, help="also write the summary here")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="set before Ray starts (levers)")
     args = p.parse_args(argv)
+    for item in args.env:
+        key, _, value = item.partition("=")
+        os.environ[key] = value
     names = ensure_models(args.models)
     print(f"measuring bare ORT ({TOKENS} tokens per sequence)...", flush=True)
     bare = {label: bare_ort(args.models, name, args.seconds) for label, name in names.items()}

@@ -11,6 +11,7 @@ import signal
 import socket
 import sys
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import yaml
@@ -23,6 +24,16 @@ from service.model_store import find_models
 APP_NAME = "mha"
 DEFAULT_PORT = 8000
 DEFAULT_METRICS_PORT = 8080  # Ray's metrics export port: every replica's series on one /metrics URL
+
+
+# Ray starts its workers at nice 15, so any normal process on the machine (a load generator, a build) starves the
+# replicas; a local server runs them at normal priority. Set in the environment before `ray.init` (a setdefault).
+LOCAL_RAY_ENV = {"RAY_worker_niceness": "0"}
+
+
+def set_local_ray_env() -> None:
+    for key, value in LOCAL_RAY_ENV.items():
+        os.environ.setdefault(key, value)
 
 
 class LaunchError(RuntimeError):
@@ -39,6 +50,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--config", type=Path, help="YAML: AppConfig fields, or a Serve config file (its first app's args)")
     p.add_argument("--num-cpus", type=float, help="logical CPUs for the local Ray (default: enough for every replica)")
     p.add_argument("--dashboard", action="store_true", help="start Ray's dashboard too")
+    p.add_argument(
+        "--proxy",
+        action="store_true",
+        help="serve through Ray Serve's HTTP proxy (as on a cluster) instead of the ingress replica on --port itself",
+    )
     p.add_argument("--access-log", action="store_true", help="log every request (off by default: it costs latency)")
     return p.parse_args(argv)
 
@@ -80,27 +96,66 @@ def cpus_needed(config: AppConfig, names: list[str]) -> float:
     return per_model + config.ingress.num_cpus * config.ingress.num_replicas + 1  # +1: Serve's controller and proxy
 
 
-def start(config: AppConfig, args: argparse.Namespace) -> None:
+@dataclass(frozen=True)
+class LocalServe:
+    """How the local Ray and Serve are started (from the CLI flags; the benchmark builds its own)."""
+
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    metrics_port: int | None = DEFAULT_METRICS_PORT  # None: Ray picks one
+    direct: bool = True  # the ingress replica listens on `port` itself; False: through Serve's proxy
+    num_cpus: float | None = None  # None: enough logical CPUs for every replica
+    dashboard: bool = False
+    access_log: bool = False
+
+
+def direct_ingress_env(port: int) -> dict[str, str]:
+    """Ray Serve's direct ingress, pinned to `port`: HTTP goes straight to the ingress replica, one Ray hop fewer
+    than through the proxy (which then listens on a spare port). Read by Serve at import: set before Ray starts."""
+    return {
+        "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
+        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1),  # exclusive: the ingress replica gets exactly `port`
+        "RAY_SERVE_PORT_QUARANTINE_S": "0",  # a restarted ingress replica takes the port back at once
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",  # no load balancer to drain from locally
+    }
+
+
+def start_local(config: AppConfig, opts: LocalServe) -> None:
+    """Start an embedded Ray and Serve, and deploy `build_app(config)`; returns once every replica is up."""
+    if opts.direct:
+        os.environ.update(direct_ingress_env(opts.port))
+        if config.ingress.num_replicas != 1:  # only one replica can hold the port
+            config = config.model_copy(update={"ingress": config.ingress.model_copy(update={"num_replicas": 1})})
+    set_local_ray_env()
     import ray
     from ray import serve
 
     from service.app import build_app
 
     names = find_models(config.models_dir, config.models)
-    num_cpus = args.num_cpus or max(float(os.cpu_count() or 1), cpus_needed(config, names))
+    num_cpus = opts.num_cpus or max(float(os.cpu_count() or 1), cpus_needed(config, names))
     print(f"mha-serving: starting Ray ({num_cpus:g} logical CPUs) and Serve with {len(names)} model(s)...", flush=True)
+    extra = {} if opts.metrics_port is None else {"_metrics_export_port": opts.metrics_port}
     ray.init(
         address="local",
         num_cpus=num_cpus,
-        include_dashboard=args.dashboard,
-        _metrics_export_port=args.metrics_port,
+        include_dashboard=opts.dashboard,
         configure_logging=False,
-        log_to_driver=args.access_log,
+        log_to_driver=opts.access_log,
+        **extra,
     )
     signal.signal(signal.SIGTERM, _interrupt)  # after ray.init, which installs its own handler
-    serve.start(http_options={"host": args.host, "port": args.port})
-    logging = {"enable_access_log": args.access_log, "log_level": "INFO" if args.access_log else "WARNING"}
+    proxy_port = free_port(opts.host) if opts.direct else opts.port
+    serve.start(http_options={"host": opts.host, "port": proxy_port})
+    logging = {"enable_access_log": opts.access_log, "log_level": "INFO" if opts.access_log else "WARNING"}
     serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False, logging_config=logging)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def report(args: argparse.Namespace) -> None:
@@ -138,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mha-serving serve: {exc}", file=sys.stderr)
         return 2
     try:
-        start(config, args)
+        opts = LocalServe(args.host, args.port, args.metrics_port, not args.proxy, args.num_cpus)
+        start_local(config, replace(opts, dashboard=args.dashboard, access_log=args.access_log))
         report(args)
         while True:
             time.sleep(3600)

@@ -1,0 +1,90 @@
+"""`mha-serving serve` and `up`: one-line errors a user can fix, and a real start (direct ingress on --port),
+request, and clean SIGTERM shutdown."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from serving import free_port
+
+from service import launcher, up
+
+
+def test_missing_models_folder_is_one_line_and_exit_2(tmp_path, capsys):
+    assert launcher.main(["--models", str(tmp_path / "nope"), "--port", str(free_port())]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "models folder" in err and "does not exist" in err
+
+
+def test_models_folder_without_models_is_one_line_and_exit_2(tmp_path, capsys):
+    assert launcher.main(["--models", str(tmp_path), "--port", str(free_port())]) == 2
+    assert "no model folders in" in capsys.readouterr().err
+
+
+def test_port_in_use_is_one_line_and_exit_2(tiny_models_dir, capsys):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert launcher.main(["--models", str(tiny_models_dir), "--port", str(port)]) == 2
+    assert f"HTTP port {port} on 127.0.0.1 is in use" in capsys.readouterr().err
+
+
+def test_config_file_with_a_misspelt_setting_is_refused(tiny_models_dir, tmp_path, capsys):
+    config = tmp_path / "serve.yaml"
+    config.write_text("deployment:\n  max_batch: 8\n")
+    assert launcher.main(["--models", str(tiny_models_dir), "--config", str(config)]) == 2
+    assert "invalid config: deployment.max_batch: Extra inputs are not permitted" in capsys.readouterr().err
+
+
+def test_serve_config_file_args_are_read_and_flags_override_them(tmp_path):
+    config = tmp_path / "serve_config.yaml"
+    config.write_text("applications:\n  - name: mha\n    args:\n      models_dir: /elsewhere\n      backend: gpu\n")
+    args = launcher.parse_args(["--config", str(config), "--models", "here"])
+    loaded = launcher.load_config(args)
+    assert loaded.models_dir == "here" and loaded.backend == "gpu"
+
+
+def test_up_finds_which_default_models_are_missing(tiny_models_dir, tmp_path):
+    assert up.missing_models(tmp_path) == ["mha-h1-d512", "mha-h2-d512", "mha-h4-d512", "mha-h8-d512", "mha-h16-d512"]
+    (tmp_path / "mha-h8-d512").mkdir()
+    (tmp_path / "mha-h8-d512" / "model.onnx").write_bytes(b"x")
+    assert "mha-h8-d512" not in up.missing_models(tmp_path)
+
+
+@pytest.mark.serve
+@pytest.mark.slow
+def test_serve_starts_answers_on_its_port_and_stops_cleanly_on_sigterm(tiny_models_dir, tmp_path):
+    port, metrics_port = free_port(), free_port()
+    cmd = [sys.executable, "-m", "service.cli", "serve", "--models", str(tiny_models_dir), "--port", str(port)]
+    cmd += ["--metrics-port", str(metrics_port), "--num-cpus", "2"]
+    log = tmp_path / "serve.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.time() + 180
+        while "Ctrl-C to stop" not in log.read_text():
+            assert proc.poll() is None, log.read_text()
+            assert time.time() < deadline, "not ready after 180 s:\n" + log.read_text()
+            time.sleep(0.5)
+        text = log.read_text()
+        assert f"http://127.0.0.1:{port}/v2/models/{{name}}/infer" in text and "/docs" in text
+        assert f"http://127.0.0.1:{metrics_port}/metrics" in text
+        assert "model mha-h2-d32: h=2 head_dim=16 d_model=32 on cpu" in text
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/models/mha-h2-d32/predict", json={"text": "hi"}, timeout=30)
+        assert r.status_code == 200 and r.json()["model"] == "mha-h2-d32"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=90)
+    assert code == 0, log.read_text()
+    assert "shutting down" in log.read_text()
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))  # the port is free again
