@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import random
 import ssl
 import time
 from collections import Counter
 from dataclasses import dataclass
 
-import httpx
-
 from loadtest.discovery import ModelInfo
+from loadtest.http_client import ConnectionPool, HTTPError
 from loadtest.stats import LevelResult, latency_summary, percentile
 from loadtest.workload import RequestBody
 
@@ -52,7 +52,7 @@ class Target:
     """Where requests for one model go and the bodies they carry (cycled)."""
 
     model: ModelInfo
-    url: str
+    path: str  # under the service's base URL, e.g. /v1/models/mha-h8-d512/predict
     bodies: tuple[RequestBody, ...]
     batch_size: int
 
@@ -145,23 +145,19 @@ class Recorder:
         )
 
 
-async def post(client: httpx.AsyncClient, url: str, body: RequestBody) -> tuple[str, str]:
-    """Send one request; ("", "") on HTTP 200, else (status code or transport error name, message)."""
+async def post(pool: ConnectionPool, path: str, body: RequestBody) -> tuple[str, str]:
+    """Send one request; ("", "") on HTTP 200, else (status code or transport error kind, message)."""
     try:
-        response = await client.post(url, content=body.content, headers=_HEADERS)
-    except httpx.TimeoutException as exc:
-        return "timeout", f"{exc.__class__.__name__}: {exc}"
-    except httpx.ConnectError as exc:
-        return "connect_error", str(exc)
-    except httpx.HTTPError as exc:
-        return exc.__class__.__name__, str(exc)
-    if response.status_code == 200:
+        response = await pool.post(path, body.content)
+    except HTTPError as exc:
+        return exc.kind, str(exc)
+    if response.status == 200:
         return "", ""
     try:
-        message = str(response.json().get("error", response.text))
+        message = str(json.loads(response.body).get("error", response.body[:300]))
     except (ValueError, AttributeError):
-        message = response.text
-    return str(response.status_code), message
+        message = response.body[:300].decode("utf-8", errors="replace")
+    return str(response.status), message
 
 
 def poisson_schedule(rate: float, duration_s: float, max_requests: int, rng: random.Random) -> list[float]:
@@ -176,7 +172,7 @@ def poisson_schedule(rate: float, duration_s: float, max_requests: int, rng: ran
     return times
 
 
-async def closed_loop(client: httpx.AsyncClient, target: Target, workers: int, rec: Recorder) -> None:
+async def closed_loop(pool: ConnectionPool, target: Target, workers: int, rec: Recorder) -> None:
     """`workers` tasks, each sending its next request as soon as the previous one is answered."""
     bodies = target.bodies
 
@@ -185,20 +181,20 @@ async def closed_loop(client: httpx.AsyncClient, target: Target, workers: int, r
             body = bodies[k % len(bodies)]
             k += workers
             t = time.perf_counter()
-            error, message = await post(client, target.url, body)
+            error, message = await post(pool, target.path, body)
             rec.record(time.perf_counter() - t, error, message, body.sequences)
 
     await asyncio.gather(*(worker(i) for i in range(workers)))
 
 
-async def open_loop(client: httpx.AsyncClient, target: Target, rate: float, cap: int, rec: Recorder, seed: int) -> None:
+async def open_loop(pool: ConnectionPool, target: Target, rate: float, cap: int, rec: Recorder, seed: int) -> None:
     """Poisson arrivals at `rate`; latency measured from the scheduled time; arrivals over `cap` outstanding dropped."""
     schedule = poisson_schedule(rate, rec.deadline - rec.start, rec.max_requests, random.Random(seed))
     inflight: set[asyncio.Task] = set()
 
     async def one(scheduled: float, body: RequestBody) -> None:
         rec.lags.append(time.perf_counter() - scheduled)
-        error, message = await post(client, target.url, body)
+        error, message = await post(pool, target.path, body)
         rec.record(time.perf_counter() - scheduled, error, message, body.sequences)
 
     try:
@@ -223,13 +219,13 @@ async def open_loop(client: httpx.AsyncClient, target: Target, rate: float, cap:
 
 
 async def run_phase(
-    target: Target, level: Level, limits: Limits, rec: Recorder, client: httpx.AsyncClient, seed: int = 0
+    target: Target, level: Level, limits: Limits, rec: Recorder, pool: ConnectionPool, seed: int = 0
 ) -> None:
     """Drive one phase until a bound stops it; after Ctrl-C, in-flight requests get one second, then are dropped."""
     if level.mode == "closed":
-        work = closed_loop(client, target, int(level.value), rec)
+        work = closed_loop(pool, target, int(level.value), rec)
     else:
-        work = open_loop(client, target, level.value, limits.max_outstanding, rec, seed)
+        work = open_loop(pool, target, level.value, limits.max_outstanding, rec, seed)
     task = asyncio.ensure_future(work)
     stopper = asyncio.ensure_future(rec.stop.wait())
     try:
@@ -247,11 +243,9 @@ async def run_phase(
 
 @functools.cache
 def _tls() -> ssl.SSLContext:
-    return ssl.create_default_context()  # made once: loading the CA store takes ~0.1 s, each client would redo it
+    return ssl.create_default_context()  # made once: loading the CA store takes ~0.1 s
 
 
-def make_client(level: Level, limits: Limits) -> httpx.AsyncClient:
-    """A client whose connection pool matches the level's concurrency (or the open-loop cap)."""
-    size = int(level.value) if level.mode == "closed" else limits.max_outstanding
-    pool = httpx.Limits(max_connections=size, max_keepalive_connections=size)
-    return httpx.AsyncClient(limits=pool, timeout=limits.timeout_s, trust_env=False, verify=_tls())
+def make_pool(base_url: str, limits: Limits) -> ConnectionPool:
+    """Keep-alive connections to the service for one phase (as many as the phase has requests in flight)."""
+    return ConnectionPool(base_url, limits.timeout_s, _tls() if base_url.startswith("https") else None)

@@ -14,7 +14,7 @@ import httpx
 from loadtest import server_metrics
 from loadtest.discovery import ModelInfo
 from loadtest.progress import Progress
-from loadtest.runner import Level, Limits, Recorder, Target, make_client, run_phase
+from loadtest.runner import Level, Limits, Recorder, Target, make_pool, run_phase
 from loadtest.stats import LevelResult
 from loadtest.workload import SeqLenSpec, build_bodies, endpoint
 
@@ -102,15 +102,16 @@ class _ServerSide:
 async def _phase(
     target: Target, level: Level, plan: Plan, duration: float, stop: asyncio.Event, progress: Progress, label: str
 ) -> Recorder:
-    async with make_client(level, plan.limits) as client:
-        rec = Recorder(duration, plan.limits.max_requests, stop)  # the clock starts once the client is ready
-        watcher = asyncio.ensure_future(progress.watch(label, rec))
-        try:
-            await run_phase(target, level, plan.limits, rec, client, seed=plan.seed)
-        finally:
-            watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watcher
+    pool = make_pool(plan.base_url, plan.limits)
+    rec = Recorder(duration, plan.limits.max_requests, stop)
+    watcher = asyncio.ensure_future(progress.watch(label, rec))
+    try:
+        await run_phase(target, level, plan.limits, rec, pool, seed=plan.seed)
+    finally:
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
+        await pool.aclose()
     return rec
 
 
@@ -137,7 +138,7 @@ async def _run_model(
 ) -> None:
     bodies, notes = build_bodies(plan.seq_len, model.max_len, plan.batch_size, plan.protocol, seed=plan.seed)
     outcome.notes += [f"{model.name}: {n}" for n in notes]
-    target = Target(model, plan.base_url + endpoint(plan.protocol, model.name), tuple(bodies), plan.batch_size)
+    target = Target(model, endpoint(plan.protocol, model.name), tuple(bodies), plan.batch_size)
     await asyncio.to_thread(server.start, model.name)
     seen_ok = 0  # successful requests to this model so far, warm-ups included
     for level in plan.levels:

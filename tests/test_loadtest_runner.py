@@ -10,7 +10,7 @@ import pytest
 from loadtest.discovery import ModelInfo
 from loadtest.runner import ABORT_AFTER, Level, Recorder, Target
 
-TARGET = Target(ModelInfo("mha-h2-d32", 2, 16, 32, 1, 32), "http://127.0.0.1:1/x", (), batch_size=2)
+TARGET = Target(ModelInfo("mha-h2-d32", 2, 16, 32, 1, 32), "/v1/models/mha-h2-d32/predict", (), batch_size=2)
 
 
 def recorder(duration_s: float = 60.0, max_requests: int = 1000) -> Recorder:
