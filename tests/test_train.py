@@ -6,13 +6,15 @@ from __future__ import annotations
 import csv
 import json
 import math
+import shutil
+from dataclasses import asdict
 
 import onnx
 import pytest
 
 from export import sweep, train_cli
 from export.metadata import MODEL_FILE, ModelMetadata
-from export.sweep_report import Row, check_balance, check_diminishing_returns, check_instability
+from export.sweep_report import Row, Run, check_balance, check_diminishing_returns, check_instability
 from export.tasks import get_task
 from export.train import TRAINING_FILE, TrainConfig, _Tracker, export_trained, lr_at, train
 
@@ -116,6 +118,35 @@ def test_sweep_output_is_complete(tmp_path, capsys):
     assert "| 1 | 16 |" in table and "| 2 | 8 |" in table
     assert (tmp_path / "sweep.png").read_bytes().startswith(PNG_MAGIC)
     assert (tmp_path / "models" / "mha-h2-d16" / MODEL_FILE).is_file()  # each h exported once, through export_model
+
+    capsys.readouterr()
+    assert sweep.main(["--retime", "--repeats", "5", "--out", str(tmp_path)]) == 0  # time again, no training
+    assert "validation:" not in capsys.readouterr().out
+    retimed = json.loads((tmp_path / "sweep.json").read_text())
+    assert retimed["runs"] == record["runs"] and retimed["settings"]["retime"] is True
+
+
+def test_retime_without_an_earlier_sweep_is_a_clear_error(tmp_path, capsys):
+    assert sweep.main(["--retime", "--out", str(tmp_path)]) == 2
+    assert "run the sweep without --retime first" in capsys.readouterr().err
+
+
+@pytest.mark.serve
+def test_sweep_times_a_running_service_with_url(serve_port, tiny_models_dir, tmp_path):
+    """--retime --url: a sweep's models, served, timed through /v1/models/{name}/predict at batch 1 and 32."""
+    from serving import deploy
+
+    shutil.copytree(tiny_models_dir, tmp_path / "models")
+    settings = {"num_cpus": 0.1, "max_batch_size": 32}  # the sweep sends 32 texts in one request
+    served = deploy(serve_port, "sweep", tmp_path / "models", deployment=settings)
+    runs = [Run(h, 32 // h, 1000, 0, 0.5, 0.5, 1.0, 0, 1.0) for h in (2, 4)]
+    settings = {"task": "kv-compare", "d_model": 32, "layers": 1, "steps": 1, "seeds": 1}
+    (tmp_path / "sweep.json").write_text(json.dumps({"settings": settings, "runs": [asdict(r) for r in runs]}))
+    assert sweep.main(["--retime", "--url", served.base_url, "--repeats", "5", "--out", str(tmp_path)]) == 0
+    record = json.loads((tmp_path / "sweep.json").read_text())
+    assert [r["heads"] for r in record["rows"]] == [2, 4]
+    assert all(r["p50_b1_ms"] > 0 and r["p50_b32_ms"] > 0 for r in record["rows"])
+    assert record["settings"]["timed_by"] == f"service at {served.base_url}"
 
 
 @pytest.mark.parametrize(
