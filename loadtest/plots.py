@@ -26,18 +26,24 @@ def latency_vs_heads(results: list[LevelResult], path: Path) -> bool:
     levels = list(dict.fromkeys(r.level for r in measured))
     if not levels:
         return False
-    fig, axes = plt.subplots(1, len(levels), figsize=(4.2 * len(levels), 3.6), squeeze=False, sharey=True)
-    for ax, level in zip(axes[0], levels, strict=True):
+    cols = min(len(levels), 4)
+    rows_n = -(-len(levels) // cols)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(4.2 * cols, 3.4 * rows_n), squeeze=False, sharey=True)
+    for ax in axes.flat[len(levels) :]:
+        ax.set_visible(False)
+    for ax, level in zip(axes.flat, levels, strict=False):
         rows = sorted((r for r in measured if r.level == level), key=lambda r: (r.heads, r.model))
         heads = [r.heads for r in rows]
         for key, style in (("p50", "o-"), ("p90", "s--"), ("p99", "^:")):
             ax.plot(heads, [r.latency_ms[key] for r in rows], style, label=key)
         ax.set_xscale("log", base=2)
         ax.set_xticks(sorted(set(heads)), [str(h) for h in sorted(set(heads))])
+        ax.set_yscale("log")
         ax.set_title(level)
         ax.set_xlabel("heads h")
-        ax.grid(True, alpha=0.3)
-    axes[0][0].set_ylabel("client latency (ms)")
+        ax.grid(True, which="both", alpha=0.3)
+    for row in axes:
+        row[0].set_ylabel("client latency (ms)")
     axes[0][0].legend()
     fig.suptitle("Latency percentiles versus h")
     fig.tight_layout()
@@ -56,6 +62,8 @@ def throughput_vs_concurrency(results: list[LevelResult], path: Path) -> bool:
         rows = sorted((r for r in closed if _series_name(r) == name), key=lambda r: r.concurrency)
         ax.plot([r.concurrency for r in rows], [r.throughput_rps for r in rows], "o-", label=name)
     ax.set_xscale("log", base=2)
+    levels = sorted({r.concurrency for r in closed})
+    ax.set_xticks(levels, [str(c) for c in levels])
     ax.set_xlabel("concurrency (closed loop)")
     ax.set_ylabel("throughput (requests/s)")
     ax.set_title("Throughput versus concurrency per h")
