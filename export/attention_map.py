@@ -23,7 +23,7 @@ from export.metadata import (
 )
 from export.tokenizer import ByteTokenizer, SequenceTooLongError
 
-GRID_COLUMNS = 8  # heads per row of the grid; more heads wrap onto further rows
+GRID_COLUMNS = 4  # heads per row of the grid; more heads wrap onto further rows
 
 
 class AttentionMapError(ValueError):
