@@ -8,7 +8,7 @@ import json
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -100,7 +100,8 @@ class TrainResult:
     model: EncoderClassifier = field(repr=False, compare=False)
 
     def to_json(self) -> dict[str, object]:
-        out = {k: v for k, v in asdict(self).items() if k not in ("model", "losses")}
+        out = asdict(replace(self, model=None, losses=()))  # replace first: asdict would deep-copy the model
+        del out["model"], out["losses"]
         out["spike_count"] = len(self.spikes)
         return out
 
