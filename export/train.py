@@ -27,11 +27,11 @@ EMA_BETA = 0.95  # smoothing of the loss that spikes are measured against
 class TrainConfig:
     task: str = DEFAULT_TASK
     heads: int = 4
-    d_model: int = 64
+    d_model: int = 128
     layers: int = 1  # 1: the kv-compare task needs two lookups in one layer (2 layers plateau longer on a CPU budget)
     head_dim: int | None = None  # None: d_model // heads
     ff_dim: int | None = None  # None: 4 * d_model
-    steps: int = 1500
+    steps: int = 1000
     batch_size: int = 64
     lr: float = 3e-3
     weight_decay: float = 0.01

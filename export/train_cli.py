@@ -41,7 +41,12 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--examples", type=int, default=_DEFAULTS.examples, help="generated examples, 10%% held out")
     parser.add_argument("--log-every", type=int, default=_DEFAULTS.log_every, help="steps between progress lines")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default %(default)s)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="intra-op threads: torch for training, ORT for timing (default %(default)s)",
+    )
 
 
 def training_config(args: argparse.Namespace, heads: int, seed: int) -> TrainConfig:
