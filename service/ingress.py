@@ -30,7 +30,7 @@ from service.errors import (
     OverCapacityError,
     ServiceError,
 )
-from service.metrics import UNKNOWN_MODEL, IngressMetrics, model_labels
+from service.metrics import GAUGE_REFRESH_S, UNKNOWN_MODEL, IngressMetrics, model_labels
 from service.protocol import simple, v2
 from service.validation import Rows
 
@@ -134,6 +134,7 @@ class Ingress:
         self._config = config
         self._ready: dict[str, ModelStatus] = {}  # name -> status of a loaded model (metadata never changes)
         self._metrics = IngressMetrics()
+        self._gauge_refresher: asyncio.Task | None = None  # started on the replica's event loop by the first request
         app.state.max_body_bytes = config.limits.max_body_bytes
 
     def _handle(self, name: str) -> DeploymentHandle:
@@ -152,6 +153,7 @@ class Ingress:
         if status.ready and name not in self._ready:
             self._ready[name] = status
             self._metrics.model_info(status.metadata, status.backend)
+            self._start_gauge_refresher()
         return status
 
     async def _labels(self, name: str) -> dict[str, str]:
@@ -161,8 +163,18 @@ class Ingress:
         status = self._ready.get(name) or await self._status(name)
         return model_labels(status.metadata, status.backend, name)
 
+    def _start_gauge_refresher(self) -> None:
+        if self._gauge_refresher is None:
+            self._gauge_refresher = asyncio.get_running_loop().create_task(self._refresh_gauges())
+
+    async def _refresh_gauges(self) -> None:
+        while True:
+            self._metrics.refresh()
+            await asyncio.sleep(GAUGE_REFRESH_S)
+
     async def _measured(self, endpoint: str, name: str, work: Callable[[], Awaitable[Response]]) -> Response:
         """Run one inference request's handler, recording latency, status code, rejections and in-flight."""
+        self._start_gauge_refresher()
         start = time.perf_counter()
         labels = await self._labels(name)
         self._metrics.started(labels)

@@ -12,6 +12,9 @@ from export.metadata import ModelMetadata
 
 MODEL_LABELS = ("model", "heads", "head_dim", "d_model", "backend")
 UNKNOWN_MODEL = "_unknown"  # label for requests naming no served model: keeps label cardinality bounded
+# Ray drops a gauge value that was not set again within two metrics export intervals (10 s each by default), so
+# the ingress re-sets its gauges this often; a value set once would vanish from the scrape after ~20 s.
+GAUGE_REFRESH_S = 1.0
 
 # Seconds. Bare ORT on 2 CPU cores runs the small model in ~0.4 ms and the default one in ~6 ms at batch 1; an HTTP
 # request through Serve adds milliseconds; overload pushes into seconds. Dense from 0.5 ms to 50 ms, sparse above.
@@ -68,10 +71,20 @@ class IngressMetrics:
             tag_keys=(*MODEL_LABELS, "layers", "vocab_size", "max_len", "num_classes", "ff_dim", "tokenizer", "task"),
         )
         self._in_flight: dict[tuple[str, ...], int] = {}
+        self._info: list[dict[str, str]] = []
 
     def model_info(self, meta: ModelMetadata, backend: str) -> None:
         extra = {k: str(getattr(meta, k)) for k in ("layers", "vocab_size", "max_len", "num_classes", "ff_dim")}
-        self.info.set(1, tags={**model_labels(meta, backend), **extra, "tokenizer": meta.tokenizer, "task": meta.task})
+        tags = {**model_labels(meta, backend), **extra, "tokenizer": meta.tokenizer, "task": meta.task}
+        self._info.append(tags)
+        self.info.set(1, tags=tags)
+
+    def refresh(self) -> None:
+        """Set every gauge again (see GAUGE_REFRESH_S): model info and the in-flight counts."""
+        for tags in self._info:
+            self.info.set(1, tags=tags)
+        for key, count in self._in_flight.items():
+            self.in_flight.set(count, tags=dict(zip(MODEL_LABELS, key, strict=True)))
 
     def started(self, labels: dict[str, str]) -> None:
         key = tuple(labels.values())
