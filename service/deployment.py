@@ -67,6 +67,7 @@ class ModelServer:
         rt = self._runtime
         self._labels = model_labels(rt.meta, rt.backend) if rt is not None else model_labels(None, "", name)
         self._attention = AttentionVariant(models_dir, name, settings.threads())  # opened on first use only
+        self._max_batch_size = settings.max_batch_size
         self._batched.set_max_batch_size(settings.max_batch_size)
         self._batched.set_batch_wait_timeout_s(settings.batch_wait_timeout_s)
 
@@ -80,7 +81,16 @@ class ModelServer:
         """(n, T) int64 ids and mask, already validated by the ingress -> this request's (n, C) logits."""
         if self._runtime is None:
             raise NotReadyError(f"model {self.name!r} is not ready: {self._error}")
-        return await self._batched((ids, mask, time.perf_counter()))
+        arrived, step = time.perf_counter(), self._max_batch_size
+        if ids.shape[0] <= step:
+            return await self._batched((ids, mask, arrived))
+        # More rows than one batch holds: split into batch-sized chunks, batched like any other request.
+        chunks = [self._batched((ids[i : i + step], mask[i : i + step], arrived)) for i in range(0, len(ids), step)]
+        parts: list[InferResult] = await asyncio.gather(*chunks)
+        logits = np.concatenate([p.logits for p in parts])  # (n, C)
+        return InferResult(
+            logits, max(p.batch_rows for p in parts), max(p.queue_s for p in parts), sum(p.run_s for p in parts)
+        )
 
     async def attention(self, ids: np.ndarray) -> AttentionResult:
         """(1, T) ids of one text -> per-layer, per-head weights from model.attn.onnx; not on the `infer` path."""

@@ -75,3 +75,14 @@ def test_concurrent_requests_share_batches_and_match_single_requests_and_bare_or
         expected = bare_logits(batched_service.models_dir, NAME, ids, mask)
         np.testing.assert_allclose(np.asarray(t["logits"], dtype=np.float32), expected, atol=1e-5)
         np.testing.assert_allclose(np.asarray(a["logits"], dtype=np.float32), expected, atol=1e-5)
+
+
+@pytest.mark.serve
+def test_a_request_with_more_rows_than_max_batch_size_is_split_and_answered_in_order(service, tiny_models_dir):
+    max_batch = service.config["deployment"]["max_batch_size"]
+    ids, mask = _rows(7, max_batch * 2 + 3, 11)  # (2 * max_batch + 3, 11): three chunks
+    body = {"input_ids": ids.tolist(), "attention_mask": mask.tolist()}
+    with service.client() as client:
+        response = client.post(f"/v1/models/{NAME}/predict", json=body)
+    assert response.status_code == 200, response.text
+    np.testing.assert_allclose(response.json()["logits"], bare_logits(tiny_models_dir, NAME, ids, mask), atol=1e-5)
