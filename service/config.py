@@ -56,6 +56,11 @@ class IngressSettings(BaseModel):
     num_cpus: float = Field(0.0, ge=0)
     max_ongoing_requests: int = Field(256, ge=1)
     max_queued_requests: int = Field(512, ge=1)
+    coalesce: bool = Field(
+        False,
+        description="send each model's waiting requests as one Ray call (service/coalescer.py): much less CPU per "
+        "request under load; Serve's per-deployment request metrics then count groups. `mha-serving serve` turns it on",
+    )
 
 
 class RequestLimits(BaseModel):

@@ -45,8 +45,8 @@ class ModelStatus:
     metadata: ModelMetadata | None = None
 
 
-def _rows(items: list[tuple[np.ndarray, np.ndarray, float]]) -> int:
-    return sum(ids.shape[0] for ids, _, _ in items)
+def _rows(items: list[tuple[list[tuple[np.ndarray, np.ndarray]], float]]) -> int:
+    return sum(ids.shape[0] for group, _ in items for ids, _ in group)
 
 
 @serve.deployment
@@ -79,14 +79,22 @@ class ModelServer:
 
     async def infer(self, ids: np.ndarray, mask: np.ndarray) -> InferResult:
         """(n, T) int64 ids and mask, already validated by the ingress -> this request's (n, C) logits."""
+        return (await self.infer_many([(ids, mask)]))[0]
+
+    async def infer_many(self, requests: list[tuple[np.ndarray, np.ndarray]]) -> list[InferResult]:
+        """Several requests' (ids, mask) in one call (the ingress groups them) -> one InferResult per request."""
         if self._runtime is None:
             raise NotReadyError(f"model {self.name!r} is not ready: {self._error}")
-        arrived, step = time.perf_counter(), self._max_batch_size
-        if ids.shape[0] <= step:
-            return await self._batched((ids, mask, arrived))
-        # More rows than one batch holds: split into batch-sized chunks, batched like any other request.
-        chunks = [self._batched((ids[i : i + step], mask[i : i + step], arrived)) for i in range(0, len(ids), step)]
-        parts: list[InferResult] = await asyncio.gather(*chunks)
+        arrived = time.perf_counter()
+        if sum(ids.shape[0] for ids, _ in requests) <= self._max_batch_size:
+            return await self._batched((requests, arrived))
+        return list(await asyncio.gather(*(self._infer_large(ids, mask, arrived) for ids, mask in requests)))
+
+    async def _infer_large(self, ids: np.ndarray, mask: np.ndarray, arrived: float) -> InferResult:
+        """A request alone; with more rows than one batch holds, in batch-sized chunks batched like any other."""
+        step = self._max_batch_size
+        chunks = [self._batched(([(ids[i : i + step], mask[i : i + step])], arrived)) for i in range(0, len(ids), step)]
+        parts: list[InferResult] = [group[0] for group in await asyncio.gather(*chunks)]
         logits = np.concatenate([p.logits for p in parts])  # (n, C)
         return InferResult(
             logits, max(p.batch_rows for p in parts), max(p.queue_s for p in parts), sum(p.run_s for p in parts)
@@ -97,14 +105,16 @@ class ModelServer:
         return await asyncio.get_running_loop().run_in_executor(self._pool, self._attention.run, ids)
 
     @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.0, batch_size_fn=_rows)
-    async def _batched(self, items: list[tuple[np.ndarray, np.ndarray, float]]) -> list[InferResult]:
-        ids, mask, rows = batching.merge([(i, m) for i, m, _ in items])  # (N, T) each, T = longest in batch
+    async def _batched(self, items: list[tuple[list[tuple[np.ndarray, np.ndarray]], float]]) -> list[list[InferResult]]:
+        requests = [pair for group, _ in items for pair in group]
+        ids, mask, rows = batching.merge(requests)  # (N, T) each, T = longest in batch
         start = time.perf_counter()
         logits = await asyncio.get_running_loop().run_in_executor(self._pool, self._runtime.run, ids, mask)
         run_s = time.perf_counter() - start
-        self._metrics.batch(self._labels, len(ids), ids.size, run_s, [start - t0 for _, _, t0 in items])
-        parts = batching.split(logits, rows)  # one (n_i, C) per request
-        return [InferResult(p, len(ids), start - t0, run_s) for p, (_, _, t0) in zip(parts, items, strict=True)]
+        waits = [start - t0 for group, t0 in items for _ in group]  # per request: arrival to ORT start
+        self._metrics.batch(self._labels, len(ids), ids.size, run_s, waits)
+        parts = iter(batching.split(logits, rows))  # one (n_i, C) per request, in order
+        return [[InferResult(next(parts), len(ids), start - t0, run_s) for _ in group] for group, t0 in items]
 
 
 def model_deployment(

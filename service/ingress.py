@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException
 
 from export.metadata import ModelMetadata
 from service import attention_api
+from service.coalescer import Coalescer
 from service.config import AppConfig
 from service.deployment import InferResult, ModelStatus
 from service.errors import (
@@ -132,6 +133,12 @@ class Ingress:
     def __init__(self, models: dict[str, DeploymentHandle], config: AppConfig) -> None:
         self._handles = models
         self._config = config
+        self._coalescers = {
+            name: Coalescer(
+                name, handle, config.settings_for(name).max_batch_size, config.settings_for(name).max_queued_requests
+            )
+            for name, handle in models.items()
+        }
         self._ready: dict[str, ModelStatus] = {}  # name -> status of a loaded model (metadata never changes)
         self._metrics = IngressMetrics()
         self._gauge_refresher: asyncio.Task | None = None  # started on the replica's event loop by the first request
@@ -196,6 +203,8 @@ class Ingress:
         return status
 
     async def _infer(self, name: str, rows: Rows) -> InferResult:
+        if self._config.ingress.coalesce:
+            return await self._coalescers[name].infer(rows.ids, rows.mask)
         try:
             return await self._handle(name).infer.remote(rows.ids, rows.mask)
         except BackPressureError as exc:

@@ -128,8 +128,10 @@ def direct_ingress_env(port: int) -> dict[str, str]:
 def start_local(config: AppConfig, opts: LocalServe) -> None:
     """Start an embedded Ray and Serve, and deploy `build_app(config)`; returns once every replica is up."""
     os.environ.update(direct_ingress_env(opts.port) if opts.direct else {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"})
-    if opts.direct and config.ingress.num_replicas != 1:  # only one replica can hold the port
-        config = config.model_copy(update={"ingress": config.ingress.model_copy(update={"num_replicas": 1})})
+    ingress = {} if "coalesce" in config.ingress.model_fields_set else {"coalesce": True}  # measured: README
+    if opts.direct:
+        ingress["num_replicas"] = 1  # only one replica can hold the port
+    config = config.model_copy(update={"ingress": config.ingress.model_copy(update=ingress)})
     set_local_ray_env()
     import ray
     from ray import serve

@@ -68,10 +68,11 @@ def serve_port(metrics_port):
 
 @pytest.fixture(scope="session")
 def service(serve_port, tiny_models_dir):
-    """The real application on the tiny models (default settings but a small CPU share), at http://127.0.0.1:PORT."""
+    """The real application on the tiny models (a small CPU share; requests coalesced at the ingress, as
+    `mha-serving serve` runs it), at http://127.0.0.1:PORT."""
     from serving import deploy
 
-    return deploy(serve_port, "main", tiny_models_dir)
+    return deploy(serve_port, "main", tiny_models_dir, ingress={"coalesce": True})
 
 
 @pytest.fixture(scope="session")
@@ -82,4 +83,4 @@ def limited_service(serve_port, tiny_models_dir, tmp_path_factory):
     models = broken_models_dir(tmp_path_factory.mktemp("limited") / "models", tiny_models_dir / "mha-h2-d32")
     settings = {"num_cpus": 0.1, "max_ongoing_requests": 1, "max_queued_requests": 1, "batch_wait_timeout_s": 0.5}
     limits = {"max_rows": 4, "max_body_bytes": 4096}
-    return deploy(serve_port, "limited", models, deployment=settings, limits=limits)
+    return deploy(serve_port, "limited", models, deployment=settings, limits=limits, ingress={"coalesce": True})

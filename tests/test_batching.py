@@ -52,7 +52,8 @@ def test_a_merged_batch_gives_each_request_its_own_logits(tiny_models_dir):
 
 @pytest.fixture(scope="module")
 def batched_service(serve_port, tiny_models_dir):
-    """The service with a batch window long enough that concurrent requests surely share ORT runs."""
+    """The service with a batch window long enough that concurrent requests surely share ORT runs (without
+    ingress coalescing: each request is its own call, batched in the replica)."""
     settings = {"num_cpus": 0.1, "max_batch_size": 64, "batch_wait_timeout_s": 0.2, "max_ongoing_requests": 32}
     return deploy(serve_port, "batched", tiny_models_dir, models=[NAME], deployment=settings)
 

@@ -1,0 +1,82 @@
+"""Ingress-side request coalescing: requests for one model that wait in this ingress replica go to the model's
+deployment together, one Ray call per group, so the per-call cost of a hop is paid per group, not per request.
+
+A bounded wait list (the model's `max_queued_requests`) answers 503 when full. No torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+
+import numpy as np
+from ray.serve.exceptions import BackPressureError
+from ray.serve.handle import DeploymentHandle
+
+from service.errors import OverCapacityError
+
+Waiting = tuple[np.ndarray, np.ndarray, asyncio.Future]
+
+
+class Coalescer:
+    """One per model in each ingress replica: at most `in_flight` group calls at once; a group holds what queued
+    meanwhile, up to `max_rows` rows (the model's max_batch_size, so one group fits one ORT batch)."""
+
+    def __init__(self, name: str, handle: DeploymentHandle, max_rows: int, max_queued: int, in_flight: int = 2):
+        self.name = name
+        self._handle = handle
+        self._max_rows = max_rows
+        self._max_queued = max_queued
+        self._slots = asyncio.Semaphore(in_flight)
+        self._waiting: deque[Waiting] = deque()
+        self._wake = asyncio.Event()
+        self._sender: asyncio.Task | None = None
+
+    async def infer(self, ids: np.ndarray, mask: np.ndarray):
+        """(n, T) ids and mask -> the model's InferResult for these rows."""
+        if len(self._waiting) >= self._max_queued:
+            raise OverCapacityError(f"model {self.name!r} is over capacity (its queue is full); retry later")
+        future = asyncio.get_running_loop().create_future()
+        self._waiting.append((ids, mask, future))
+        self._wake.set()
+        if self._sender is None or self._sender.done():
+            self._sender = asyncio.get_running_loop().create_task(self._send_loop())
+        return await future
+
+    def _next_group(self) -> list[Waiting]:
+        group, rows = [self._waiting.popleft()], 0
+        rows = group[0][0].shape[0]
+        while self._waiting and rows + self._waiting[0][0].shape[0] <= self._max_rows:
+            group.append(self._waiting.popleft())
+            rows += group[-1][0].shape[0]
+        return group
+
+    async def _send_loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._waiting:
+                await self._slots.acquire()  # the wait list grows meanwhile: the next group takes it all
+                asyncio.get_running_loop().create_task(self._send(self._next_group()))
+
+    async def _send(self, group: list[Waiting]) -> None:
+        try:
+            results = await self._handle.infer_many.remote([(ids, mask) for ids, mask, _ in group])
+        except BackPressureError:
+            error = OverCapacityError(f"model {self.name!r} is over capacity (its queue is full); retry later")
+            for *_, future in group:
+                _fail(future, error)
+        except Exception as exc:  # the model's own error (e.g. not ready) goes to every request of the group
+            for *_, future in group:
+                _fail(future, exc)
+        else:
+            for (*_, future), result in zip(group, results, strict=True):
+                if not future.done():
+                    future.set_result(result)
+        finally:
+            self._slots.release()
+
+
+def _fail(future: asyncio.Future, error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)
