@@ -15,6 +15,7 @@ import httpx
 # Tried in order; the first with observations for the model is used: the service's end-to-end latency at its
 # ingress (labelled by model), else Ray Serve's own processing latency of the model's deployment (named after it).
 DEFAULT_METRICS = ("ray_mha_request_latency_seconds", "ray_serve_deployment_processing_latency_ms")
+IDLE_GRACE_FRACTION = 0.6  # of --metrics-wait: how long a preferred histogram without new data is waited for
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
@@ -111,17 +112,21 @@ def server_percentiles(before: Histogram, after: Histogram, model: str, name: st
     return out
 
 
-def settled_name(hists: dict[str, Histogram], model: str, base: dict[str, float], target: dict[str, float]) -> str:
+def settled_name(
+    hists: dict[str, Histogram], model: str, base: dict[str, float], target: dict[str, float], skip_idle: bool = True
+) -> str:
     """The first histogram (in order) whose count for `model` reached its target; "" while one is still catching up.
 
-    A histogram with no new observations since `base` is skipped (the service does not record it).
+    A histogram with no new observations since `base` is skipped (the service does not record it) only when
+    `skip_idle`; until then it may simply not have been exported yet (Ray exports each process's metrics on its own
+    schedule), so the preferred histogram is waited for.
     """
     for name, hist in hists.items():
         count = hist.count(model)
         if count >= target[name]:
             return name
-        if count > base[name]:
-            return ""  # data for this one is still arriving: wait for it
+        if count > base[name] or not skip_idle:
+            return ""  # data for this one is still arriving (or may be): wait for it
     return ""
 
 
@@ -138,10 +143,12 @@ def wait_for_counts(
     """Scrape until a histogram holds `new_observations` more for `model` than at `base` (metrics are exported with
     a delay) or the timeout passes; the scrape and the histogram's name ("" on timeout)."""
     target = {name: base.get(name, 0.0) + new_observations for name in names}
-    deadline = time.monotonic() + timeout_s
+    start = time.monotonic()
+    deadline = start + timeout_s
     while True:
         hists = scrape(client, url, names, match)
-        name = settled_name(hists, model, {n: base.get(n, 0.0) for n in names}, target)
+        grace_over = time.monotonic() - start >= IDLE_GRACE_FRACTION * timeout_s
+        name = settled_name(hists, model, {n: base.get(n, 0.0) for n in names}, target, skip_idle=grace_over)
         if name or time.monotonic() >= deadline:
             return hists, name
         time.sleep(0.5)

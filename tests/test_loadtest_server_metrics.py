@@ -96,3 +96,6 @@ def test_the_first_histogram_with_data_is_chosen_and_a_lagging_one_is_waited_for
     assert settled_name(hists(15, 60), "m", base, target) == ""  # ingress data still arriving: wait for it
     assert settled_name(hists(10, 60), "m", base, target) == "serve"  # ingress records nothing for m: skip it
     assert settled_name(hists(10, 55), "m", base, target) == ""
+    # before the grace period is over, a preferred histogram without data may just not be exported yet
+    assert settled_name(hists(10, 60), "m", base, target, skip_idle=False) == ""
+    assert settled_name(hists(20, 60), "m", base, target, skip_idle=False) == "ingress"
