@@ -26,6 +26,7 @@ class DeploymentSettings(BaseModel):
     """Resources, concurrency and batching of one model deployment. Every field has a default."""
 
     model_config = ConfigDict(extra="forbid")
+    backend: Backend | None = Field(None, description="this deployment's backend; None: the application's `backend`")
     num_replicas: int = Field(1, ge=1, description="fixed replica count (ignored when autoscaling is set)")
     autoscaling: Autoscaling | None = None
     num_cpus: float = Field(1.0, ge=0, description="logical CPUs Ray reserves per replica")
@@ -86,3 +87,7 @@ class AppConfig(BaseModel):
 
     def settings_for(self, name: str) -> DeploymentSettings:
         return self.overrides.get(name, self.deployment)
+
+    def backend_for(self, name: str) -> Backend:
+        """A model's backend: its settings' `backend` when set (e.g. `gpu` on GPU workers), else the application's."""
+        return self.settings_for(name).backend or self.backend

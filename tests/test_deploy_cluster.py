@@ -203,8 +203,8 @@ def cluster() -> Iterator[LocalCluster]:
 # ---- the application ----
 def adapted_serve_config(models_dir: Path, http_port: int) -> dict:
     """deploy/serve_config.yaml with only what a one-machine run must change: the models (two tiny ones taking
-    the settings of one real GPU and one real CPU head configuration), and the HTTP proxy on the head only (two
-    nodes on one host cannot both listen on one port)."""
+    the settings of one real GPU and one real CPU head configuration), the GPU one's backend (no CUDA here), and the
+    HTTP proxy on the head only (two nodes on one host cannot both listen on one port)."""
     config = copy.deepcopy(yaml.safe_load((ROOT / "deploy" / "serve_config.yaml").read_text()))
     config["proxy_location"] = "HeadOnly"
     config["http_options"] = {**config["http_options"], "host": "127.0.0.1", "port": http_port}
@@ -213,7 +213,10 @@ def adapted_serve_config(models_dir: Path, http_port: int) -> dict:
     overrides = args["overrides"]
     args["models_dir"] = str(models_dir)
     args["models"] = [CPU_MODEL, GPU_MODEL]
-    args["overrides"] = {GPU_MODEL: overrides[GPU_TEMPLATE], CPU_MODEL: overrides[CPU_TEMPLATE]}
+    # The stand-in GPU node has a logical GPU only (no CUDA here): the GPU template's `backend: gpu` would rightly
+    # refuse to start, so that one model runs `auto` (CPU) on it; its resources and placement stay the template's.
+    gpu_settings = {**overrides[GPU_TEMPLATE], "backend": "auto"}
+    args["overrides"] = {GPU_MODEL: gpu_settings, CPU_MODEL: overrides[CPU_TEMPLATE]}
     return config
 
 

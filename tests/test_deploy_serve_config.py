@@ -129,3 +129,10 @@ def test_autoscaled_head_configurations_fit_the_cpu_group_at_their_maximum():
         replicas = settings.autoscaling.max_replicas if settings.autoscaling else settings.num_replicas
         needed += settings.num_cpus * replicas
     assert needed <= per_pod * cpu_group["maxReplicas"]
+
+
+def test_head_configurations_placed_on_gpu_workers_ask_for_the_gpu_backend_and_the_rest_do_not():
+    config = AppConfig.model_validate(serve_config()["applications"][0]["args"])
+    for name in DEFAULT_NAMES:
+        on_gpu = (config.settings_for(name).num_gpus or 0) > 0
+        assert (config.backend_for(name) == "gpu") == on_gpu, name  # a GPU replica never falls back to CPU silently
