@@ -163,13 +163,6 @@ class Ingress:
             self._start_gauge_refresher()
         return status
 
-    async def _labels(self, name: str) -> dict[str, str]:
-        """The metric labels of a request to `name`: its head configuration once loaded, a fixed label if unknown."""
-        if name not in self._handles:
-            return model_labels(None, "", UNKNOWN_MODEL)
-        status = self._ready.get(name) or await self._status(name)
-        return model_labels(status.metadata, status.backend, name)
-
     def _start_gauge_refresher(self) -> None:
         if self._gauge_refresher is None:
             self._gauge_refresher = asyncio.get_running_loop().create_task(self._refresh_gauges())
@@ -179,15 +172,25 @@ class Ingress:
             self._metrics.refresh()
             await asyncio.sleep(GAUGE_REFRESH_S)
 
-    async def _measured(self, endpoint: str, name: str, work: Callable[[], Awaitable[Response]]) -> Response:
-        """Run one inference request's handler, recording latency, status code, rejections and in-flight."""
+    async def _measured(
+        self, endpoint: str, name: str, work: Callable[[ModelStatus | None], Awaitable[Response]]
+    ) -> Response:
+        """Run one inference request's handler, recording latency, status code, rejections and in-flight.
+
+        The model's status is looked up once, here, and handed to `work` (None for an unknown model): it gives the
+        metric labels (the head configuration once loaded, a fixed label for unknown names) and the readiness check.
+        """
         self._start_gauge_refresher()
         start = time.perf_counter()
-        labels = await self._labels(name)
+        status = (self._ready.get(name) or await self._status(name)) if name in self._handles else None
+        if status is None:
+            labels = model_labels(None, "", UNKNOWN_MODEL)
+        else:
+            labels = model_labels(status.metadata, status.backend, name)
         self._metrics.started(labels)
         code, rejected = 500, False
         try:
-            response = await work()
+            response = await work(status)
             code = response.status_code
             return response
         except ServiceError as exc:
@@ -196,8 +199,9 @@ class Ingress:
         finally:
             self._metrics.finished(labels, endpoint, code, time.perf_counter() - start, rejected)
 
-    async def _ready_model(self, name: str) -> ModelStatus:
-        status = self._ready.get(name) or await self._status(name)
+    async def _ready_model(self, name: str, status: ModelStatus | None = None) -> ModelStatus:
+        """The status of a ready model (asked for unless given); NotReadyError saying why otherwise."""
+        status = status or self._ready.get(name) or await self._status(name)
         if not status.ready:
             raise NotReadyError(f"model {name!r} is not ready: {status.reason}")
         return status
@@ -263,11 +267,11 @@ class Ingress:
     @app.post("/v2/models/{name}/infer", openapi_extra=_openapi_body(v2.InferRequest))
     @app.post("/v2/models/{name}/versions/{version}/infer", openapi_extra=_openapi_body(v2.InferRequest))
     async def infer(self, name: str, request: Request, version: str | None = None) -> Response:
-        async def work() -> Response:
+        async def work(status: ModelStatus | None) -> Response:
             self._check_version(name, version)
             self._handle(name)  # 404 before looking at the body
             body = await self._body(request, v2.InferRequest)
-            meta: ModelMetadata = (await self._ready_model(name)).metadata
+            meta: ModelMetadata = (await self._ready_model(name, status)).metadata
             v2.requested_outputs(body)
             result = await self._infer(name, v2.decode(body, meta, self._config.limits.max_rows))
             return json_response(v2.infer_response(name, body, result.logits))
@@ -282,11 +286,11 @@ class Ingress:
 
     @app.post("/v1/models/{name}/predict", openapi_extra=_openapi_body(simple.PredictRequest))
     async def predict(self, name: str, request: Request) -> Response:
-        async def work() -> Response:
+        async def work(status: ModelStatus | None) -> Response:
             start = time.perf_counter()
             self._handle(name)  # 404 before looking at the body
             body = await self._body(request, simple.PredictRequest)
-            status = await self._ready_model(name)
+            status = await self._ready_model(name, status)
             result = await self._infer(name, simple.decode(body, status.metadata, self._config.limits.max_rows))
             timing = {
                 "total_ms": (time.perf_counter() - start) * 1e3,
