@@ -19,25 +19,25 @@ from service.model_store import find_models
 INGRESS_NAME = "ingress"
 
 
-def gpu_share(backend: str, n_models: int) -> float:
+def gpu_share(backend: str, cluster_gpus: float, n_models: int) -> float:
     """GPUs per replica when not set: 0 on cpu (or without GPUs in the cluster), else a share of the cluster's GPUs.
 
     `gpu` on a cluster without GPUs still gets 0, so the replica starts and fails saying why, instead of pending.
     """
-    if backend == "cpu":
+    if backend == "cpu" or cluster_gpus <= 0:
         return 0.0
-    gpus = ray.cluster_resources().get("GPU", 0.0) if ray.is_initialized() else 0.0
-    return min(1.0, gpus / n_models) if gpus > 0 else 0.0
+    return min(1.0, cluster_gpus / n_models)
 
 
 def build_app(args: AppConfig | dict[str, Any] | None = None) -> Application:
     config = args if isinstance(args, AppConfig) else AppConfig.model_validate(args or {})
     models_dir = str(Path(config.models_dir).resolve())  # replicas may not share the builder's working directory
     names = find_models(models_dir, config.models)
+    cluster_gpus = ray.cluster_resources().get("GPU", 0.0) if ray.is_initialized() else 0.0
     models = {}
     for name in names:
         settings, backend = config.settings_for(name), config.backend_for(name)
-        gpus = settings.num_gpus if settings.num_gpus is not None else gpu_share(backend, len(names))
+        gpus = settings.num_gpus if settings.num_gpus is not None else gpu_share(backend, cluster_gpus, len(names))
         models[name] = model_deployment(name, models_dir, backend, settings, gpus)
     ingress = config.ingress
     return Ingress.options(
