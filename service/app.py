@@ -1,6 +1,7 @@
 """`build_app(args)`: the one application builder, named by `import_path: service.app:build_app` and used by the CLI.
 
-One model deployment per model folder (named after the model) plus the ingress bound to their handles. No torch.
+The ingress, holding the co-located models' engines, bound to the handles of the models placed in their own
+deployments (named after the model). No torch.
 """
 
 from __future__ import annotations
@@ -34,11 +35,14 @@ def build_app(args: AppConfig | dict[str, Any] | None = None) -> Application:
     models_dir = str(Path(config.models_dir).resolve())  # replicas may not share the builder's working directory
     names = find_models(models_dir, config.models)
     cluster_gpus = ray.cluster_resources().get("GPU", 0.0) if ray.is_initialized() else 0.0
-    models = {}
-    for name in names:
+    config = config.model_copy(update={"models_dir": models_dir})
+    colocated = [n for n in names if config.placement_for(n, cluster_gpus) == "colocated"]
+    remote = {}
+    for name in (n for n in names if n not in colocated):
         settings, backend = config.settings_for(name), config.backend_for(name)
-        gpus = settings.num_gpus if settings.num_gpus is not None else gpu_share(backend, cluster_gpus, len(names))
-        models[name] = model_deployment(name, models_dir, backend, settings, gpus)
+        n_remote = len(names) - len(colocated)
+        gpus = settings.num_gpus if settings.num_gpus is not None else gpu_share(backend, cluster_gpus, n_remote)
+        remote[name] = model_deployment(name, models_dir, backend, settings, gpus)
     ingress = config.ingress
     return Ingress.options(
         name=INGRESS_NAME,
@@ -46,7 +50,7 @@ def build_app(args: AppConfig | dict[str, Any] | None = None) -> Application:
         ray_actor_options={"num_cpus": ingress.num_cpus},
         max_ongoing_requests=ingress.max_ongoing_requests,
         max_queued_requests=ingress.max_queued_requests,
-    ).bind(models, config)
+    ).bind(remote, colocated, config)
 
 
 def failure_reasons(app_name: str) -> dict[str, str]:

@@ -1,13 +1,25 @@
-"""Dynamic batching arithmetic: merge several requests' rows into one batch padded to its longest sequence, split back.
+"""Dynamic batching in process: requests for one model merged into ORT runs padded to their longest sequence.
 
-Pure numpy so it is unit-testable without Ray. No torch.
+No wait when idle; while a run is in flight the next batch collects what arrives, up to `max_batch_size` rows; a
+bounded wait list answers OverCapacityError. The arithmetic (merge, split) is pure numpy. No torch, no Ray.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
 import numpy as np
 
 from export.tokenizer import PAD_ID
+from service.errors import OverCapacityError
+
+RunFn = Callable[[np.ndarray, np.ndarray], np.ndarray]  # (N, T) ids, (N, T) mask -> (N, C) logits
+BatchHook = Callable[[int, int, float, list[float]], None]  # rows, padded tokens, run seconds, queue wait per request
 
 
 def effective_length(mask: np.ndarray) -> int:
@@ -21,6 +33,8 @@ def merge(requests: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np
     lengths = [effective_length(mask) for _, mask in requests]
     width = max(lengths)
     rows = [ids.shape[0] for ids, _ in requests]
+    if len(requests) == 1 and lengths[0] == requests[0][0].shape[1]:  # nothing to pad or trim: no copy
+        return requests[0][0], requests[0][1], rows
     ids_out = np.full((sum(rows), width), PAD_ID, dtype=np.int64)  # (N, T)
     mask_out = np.zeros((sum(rows), width), dtype=np.int64)  # (N, T)
     start = 0
@@ -35,4 +49,119 @@ def split(logits: np.ndarray, rows: list[int]) -> list[np.ndarray]:
     """(N, C) logits -> one (n_i, C) array per request, in order."""
     if logits.shape[0] != sum(rows):
         raise ValueError(f"logits have {logits.shape[0]} rows, the batch had {sum(rows)}")
+    if len(rows) == 1:
+        return [logits]
     return np.split(logits, np.cumsum(rows)[:-1])
+
+
+@dataclass(frozen=True)
+class BatchResult:
+    """One request's logits and what it cost (the response's timing and the metrics read these)."""
+
+    logits: np.ndarray  # (n, C) float32
+    batch_rows: int  # rows in the ORT run this request shared (the largest, for a request split in chunks)
+    queue_s: float  # from arrival to the start of its batch's ORT run
+    run_s: float  # ORT run time of the whole batch (summed over chunks)
+
+
+@dataclass(frozen=True)
+class BatchPolicy:
+    max_batch_size: int = 32  # rows per ORT run; a request with more rows runs in chunks of this size
+    max_queued_requests: int = 256  # requests waiting for a run; one more gets OverCapacityError (503)
+    max_wait_s: float = 0.0  # hold a batch that is not full up to this long for more rows; 0: never wait
+
+
+@dataclass
+class _Waiting:
+    ids: np.ndarray  # (n, T)
+    mask: np.ndarray  # (n, T)
+    future: asyncio.Future
+    arrived: float
+
+
+class DynamicBatcher:
+    """One per model: a single runner feeds ORT one batch at a time on `executor` (off the event loop)."""
+
+    def __init__(self, name: str, run: RunFn, executor: Executor, policy: BatchPolicy, on_batch: BatchHook):
+        self.name = name
+        self._run, self._executor, self._policy, self._on_batch = run, executor, policy, on_batch
+        self._waiting: deque[_Waiting] = deque()
+        self._waiting_rows = 0
+        self._grown = asyncio.Event()  # set when a request joins the wait list (for max_wait_s)
+        self._runner: asyncio.Task | None = None
+
+    @property
+    def queued(self) -> int:
+        return len(self._waiting)
+
+    async def infer(self, ids: np.ndarray, mask: np.ndarray) -> BatchResult:
+        """(n, T) ids and mask -> this request's result; more rows than a batch holds run as several chunks."""
+        step = self._policy.max_batch_size
+        starts = range(0, ids.shape[0], step)
+        if len(self._waiting) + len(starts) > self._policy.max_queued_requests:
+            raise OverCapacityError(f"model {self.name!r} is over capacity (its queue is full); retry later")
+        if len(starts) == 1:
+            return await self._enqueue(ids, mask)
+        parts = await asyncio.gather(*[self._enqueue(ids[i : i + step], mask[i : i + step]) for i in starts])
+        logits = np.concatenate([p.logits for p in parts])  # (n, C)
+        slowest = max(p.queue_s for p in parts)
+        return BatchResult(logits, max(p.batch_rows for p in parts), slowest, sum(p.run_s for p in parts))
+
+    def _enqueue(self, ids: np.ndarray, mask: np.ndarray) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._waiting.append(_Waiting(ids, mask, future, time.perf_counter()))
+        self._waiting_rows += ids.shape[0]
+        self._grown.set()
+        if self._runner is None:
+            self._runner = loop.create_task(self._drain())
+        return future
+
+    def _take(self) -> list[_Waiting]:
+        """The oldest waiting requests that fit one batch; requests whose client went away are dropped."""
+        batch, rows = [], 0
+        while self._waiting:
+            item = self._waiting[0]
+            if not item.future.done() and batch and rows + item.ids.shape[0] > self._policy.max_batch_size:
+                break
+            self._waiting.popleft()
+            self._waiting_rows -= item.ids.shape[0]
+            if not item.future.done():  # done before its run: cancelled, its client disconnected
+                batch.append(item)
+                rows += item.ids.shape[0]
+        return batch
+
+    async def _window(self) -> None:
+        """With max_wait_s > 0: wait until a batch is full or its oldest request has waited max_wait_s."""
+        deadline = self._waiting[0].arrived + self._policy.max_wait_s
+        while self._waiting_rows < self._policy.max_batch_size and (left := deadline - time.perf_counter()) > 0:
+            self._grown.clear()
+            try:
+                await asyncio.wait_for(self._grown.wait(), left)
+            except TimeoutError:
+                return
+
+    async def _drain(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while self._waiting:
+                if self._policy.max_wait_s > 0:
+                    await self._window()
+                if not (batch := self._take()):
+                    continue
+                ids, mask, rows = merge([(w.ids, w.mask) for w in batch])  # (N, T) each, T = longest in batch
+                start = time.perf_counter()
+                try:
+                    logits = await loop.run_in_executor(self._executor, self._run, ids, mask)
+                except Exception as exc:  # the run's failure is every request's answer; the runner goes on
+                    for w in batch:
+                        if not w.future.done():
+                            w.future.set_exception(exc)
+                    continue
+                run_s = time.perf_counter() - start
+                for w, part in zip(batch, split(logits, rows), strict=True):
+                    if not w.future.done():
+                        w.future.set_result(BatchResult(part, ids.shape[0], start - w.arrived, run_s))
+                self._on_batch(ids.shape[0], ids.size, run_s, [start - w.arrived for w in batch])
+        finally:
+            self._runner = None

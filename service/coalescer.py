@@ -33,7 +33,7 @@ class Coalescer:
         self._sender: asyncio.Task | None = None
 
     async def infer(self, ids: np.ndarray, mask: np.ndarray):
-        """(n, T) ids and mask -> the model's InferResult for these rows."""
+        """(n, T) ids and mask -> the model's BatchResult for these rows."""
         if len(self._waiting) >= self._max_queued:
             raise OverCapacityError(f"model {self.name!r} is over capacity (its queue is full); retry later")
         future = asyncio.get_running_loop().create_future()
@@ -71,7 +71,9 @@ class Coalescer:
                 _fail(future, exc)
         else:
             for (*_, future), result in zip(group, results, strict=True):
-                if not future.done():
+                if isinstance(result, Exception):  # one request's own error (e.g. over capacity in the replica)
+                    _fail(future, result)
+                elif not future.done():
                     future.set_result(result)
         finally:
             self._slots.release()

@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 Backend = Literal["auto", "cpu", "gpu"]
+Placement = Literal["auto", "colocated", "deployment"]
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: larger request bodies get 413
 
 
@@ -23,10 +24,16 @@ class Autoscaling(BaseModel):
 
 
 class DeploymentSettings(BaseModel):
-    """Resources, concurrency and batching of one model deployment. Every field has a default."""
+    """Placement, resources, concurrency and batching of one model. Every field has a default."""
 
     model_config = ConfigDict(extra="forbid")
-    backend: Backend | None = Field(None, description="this deployment's backend; None: the application's `backend`")
+    backend: Backend | None = Field(None, description="this model's backend; None: the application's `backend`")
+    placement: Placement = Field(
+        "auto",
+        description="colocated: the model's ORT session lives in the ingress replica (no Ray call per request; CPU "
+        "only); deployment: its own Serve deployment (own replicas, resources, scaling; GPUs); auto: deployment for "
+        "a gpu backend or for auto on a cluster with GPUs, else colocated",
+    )
     num_replicas: int = Field(1, ge=1, description="fixed replica count (ignored when autoscaling is set)")
     autoscaling: Autoscaling | None = None
     num_cpus: float = Field(1.0, ge=0, description="logical CPUs Ray reserves per replica")
@@ -38,11 +45,16 @@ class DeploymentSettings(BaseModel):
     max_batch_size: int = Field(32, ge=1, description="rows (sequences) per ORT run")
     batch_wait_timeout_s: float = Field(0.0, ge=0, description="wait for more rows; 0: batch what queued meanwhile")
     intra_op_threads: int | None = Field(None, ge=1, description="ORT intra-op threads; None: from num_cpus")
+    ort_spinning: bool = Field(
+        True, description="ORT's intra-op threads spin-wait between runs (lower latency; CPU the HTTP side loses)"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> DeploymentSettings:
         if self.autoscaling and self.autoscaling.min_replicas > self.autoscaling.max_replicas:
             raise ValueError("autoscaling.min_replicas must be <= autoscaling.max_replicas")
+        if self.placement == "colocated" and self.backend == "gpu":
+            raise ValueError("placement colocated runs on the ingress's CPU; a gpu backend needs placement deployment")
         return self
 
     def threads(self) -> int:
@@ -85,8 +97,28 @@ class AppConfig(BaseModel):
     limits: RequestLimits = RequestLimits()
     server_name: str = "mha-serving"
 
+    @model_validator(mode="after")
+    def _check_placements(self) -> AppConfig:
+        for where, settings in [
+            ("deployment", self.deployment),
+            *(("overrides." + k, v) for k, v in self.overrides.items()),
+        ]:
+            if settings.placement == "colocated" and (settings.backend or self.backend) == "gpu":
+                raise ValueError(
+                    f"{where}: placement colocated runs on the ingress's CPU; backend gpu needs placement deployment"
+                )
+        return self
+
     def settings_for(self, name: str) -> DeploymentSettings:
         return self.overrides.get(name, self.deployment)
+
+    def placement_for(self, name: str, cluster_gpus: float) -> Literal["colocated", "deployment"]:
+        """Where a model runs: its setting, or for `auto` its own deployment when it may use a GPU, else co-located."""
+        placement = self.settings_for(name).placement
+        if placement != "auto":
+            return placement
+        backend = self.backend_for(name)
+        return "deployment" if backend == "gpu" or (backend == "auto" and cluster_gpus > 0) else "colocated"
 
     def backend_for(self, name: str) -> Backend:
         """A model's backend: its settings' `backend` when set (e.g. `gpu` on GPU workers), else the application's."""

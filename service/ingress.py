@@ -14,7 +14,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 from ray import serve
-from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 
@@ -22,7 +21,7 @@ from export.metadata import ModelMetadata
 from service import attention_api
 from service.coalescer import Coalescer
 from service.config import AppConfig
-from service.deployment import InferResult, ModelStatus
+from service.engine import EngineSettings, ModelEngine, ModelStatus
 from service.errors import (
     BadRequestError,
     BodyTooLargeError,
@@ -32,10 +31,9 @@ from service.errors import (
     ServiceError,
 )
 from service.metrics import GAUGE_REFRESH_S, UNKNOWN_MODEL, IngressMetrics, model_labels
+from service.placement import Colocated, ModelPlacement, Remote
 from service.protocol import simple, v2
-from service.validation import Rows
 
-STATUS_TIMEOUT_S = 5.0  # a model deployment without a live replica answers nothing; say so instead of hanging
 BINARY_HEADER = "inference-header-content-length"
 BodyT = TypeVar("BodyT", bound=BaseModel)
 
@@ -121,42 +119,47 @@ def _openapi_body(model: type[BaseModel]) -> dict[str, Any]:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
-async def _awaited(response):
-    return await response
+def _shorten(name: str, limit: int = 80) -> str:
+    """A name echoed in an error, cut to `limit` characters (a client can send any length)."""
+    return name if len(name) <= limit else name[:limit] + "..."
 
 
 @serve.deployment
 @serve.ingress(app)
 class Ingress:
-    """Routes by model name to the model deployments' handles; caches each model's metadata once it is ready."""
+    """Routes by model name to each model's placement: its engine in this process (co-located) or its deployment's
+    handle; caches each model's status once it is ready (metadata never changes)."""
 
-    def __init__(self, models: dict[str, DeploymentHandle], config: AppConfig) -> None:
-        self._handles = models
+    def __init__(self, remote: dict[str, DeploymentHandle], colocated: list[str], config: AppConfig) -> None:
         self._config = config
-        self._coalescers = {
-            name: Coalescer(
-                name, handle, config.settings_for(name).max_batch_size, config.settings_for(name).max_queued_requests
-            )
-            for name, handle in models.items()
-        }
+        self._models: dict[str, ModelPlacement] = {}
+        for name in colocated:
+            settings = EngineSettings.of(config.settings_for(name), config.backend_for(name))
+            self._models[name] = Colocated(ModelEngine(config.models_dir, name, settings))
+        for name, handle in remote.items():
+            coalescer = None
+            if config.ingress.coalesce:
+                settings = config.settings_for(name)
+                coalescer = Coalescer(name, handle, settings.max_batch_size, settings.max_queued_requests)
+            self._models[name] = Remote(name, handle, coalescer)
+        self._models = dict(sorted(self._models.items()))
         self._ready: dict[str, ModelStatus] = {}  # name -> status of a loaded model (metadata never changes)
         self._metrics = IngressMetrics()
         self._gauge_refresher: asyncio.Task | None = None  # started on the replica's event loop by the first request
         app.state.max_body_bytes = config.limits.max_body_bytes
 
-    def _handle(self, name: str) -> DeploymentHandle:
-        if name not in self._handles:
-            raise ModelNotFoundError(f"unknown model {name!r}; models: {sorted(self._handles)}")
-        return self._handles[name]
+    def _model(self, name: str) -> ModelPlacement:
+        model = self._models.get(name)
+        if model is None:
+            raise ModelNotFoundError(f"unknown model {_shorten(name)!r}; models: {sorted(self._models)}")
+        return model
 
-    async def _status(self, name: str) -> ModelStatus:
-        """Ask the model's replica (live); a replica that does not answer is reported as not ready."""
-        handle = self._handle(name)
-        try:
-            status = await asyncio.wait_for(_awaited(handle.status.remote()), STATUS_TIMEOUT_S)
-        except TimeoutError:
-            reason = f"no replica answered within {STATUS_TIMEOUT_S:g} s (starting, or failed at start: `serve status`)"
-            return ModelStatus(name, False, reason)
+    async def _status(self, name: str, live: bool = False) -> ModelStatus:
+        """The model's status: asked (of its replica, for a deployment) when `live` or until it was ready once."""
+        cached = self._ready.get(name)
+        if cached is not None and not live:
+            return cached
+        status = await self._model(name).status()
         if status.ready and name not in self._ready:
             self._ready[name] = status
             self._metrics.model_info(status.metadata, status.backend)
@@ -182,7 +185,7 @@ class Ingress:
         """
         self._start_gauge_refresher()
         start = time.perf_counter()
-        status = (self._ready.get(name) or await self._status(name)) if name in self._handles else None
+        status = await self._status(name) if name in self._models else None
         if status is None:
             labels = model_labels(None, "", UNKNOWN_MODEL)
         else:
@@ -201,18 +204,10 @@ class Ingress:
 
     async def _ready_model(self, name: str, status: ModelStatus | None = None) -> ModelStatus:
         """The status of a ready model (asked for unless given); NotReadyError saying why otherwise."""
-        status = status or self._ready.get(name) or await self._status(name)
+        status = status or await self._status(name)
         if not status.ready:
             raise NotReadyError(f"model {name!r} is not ready: {status.reason}")
         return status
-
-    async def _infer(self, name: str, rows: Rows) -> InferResult:
-        if self._config.ingress.coalesce:
-            return await self._coalescers[name].infer(rows.ids, rows.mask)
-        try:
-            return await self._handle(name).infer.remote(rows.ids, rows.mask)
-        except BackPressureError as exc:
-            raise OverCapacityError(f"model {name!r} is over capacity (its queue is full); retry later") from exc
 
     async def _body(self, request: Request, model: type[BodyT]) -> BodyT:
         raw = await request.body()
@@ -227,7 +222,9 @@ class Ingress:
     @staticmethod
     def _check_version(name: str, version: str | None) -> None:
         if version is not None and version != v2.MODEL_VERSION:
-            raise ModelNotFoundError(f"model {name!r} has no version {version!r}; versions: [{v2.MODEL_VERSION!r}]")
+            raise ModelNotFoundError(
+                f"model {_shorten(name)!r} has no version {version!r}; versions: [{v2.MODEL_VERSION!r}]"
+            )
 
     # ---- Open Inference Protocol v2 ----
     @app.get("/v2/health/live")
@@ -236,7 +233,7 @@ class Ingress:
 
     @app.get("/v2/health/ready")
     async def ready(self) -> Response:
-        statuses = await asyncio.gather(*(self._status(n) for n in self._handles))
+        statuses = await asyncio.gather(*(self._status(n, live=True) for n in self._models))
         waiting = {s.name: s.reason for s in statuses if not s.ready}
         if waiting:
             return json_response({"ready": False, "error": f"models not ready: {waiting}"}, 503)
@@ -259,7 +256,7 @@ class Ingress:
     @app.get("/v2/models/{name}/versions/{version}/ready")
     async def model_ready(self, name: str, version: str | None = None) -> Response:
         self._check_version(name, version)
-        status = await self._status(name)
+        status = await self._status(name, live=True)
         if not status.ready:
             return json_response({"name": name, "ready": False, "error": status.reason}, 503)
         return json_response({"name": name, "ready": True})
@@ -269,11 +266,12 @@ class Ingress:
     async def infer(self, name: str, request: Request, version: str | None = None) -> Response:
         async def work(status: ModelStatus | None) -> Response:
             self._check_version(name, version)
-            self._handle(name)  # 404 before looking at the body
+            model = self._model(name)  # 404 before looking at the body
             body = await self._body(request, v2.InferRequest)
             meta: ModelMetadata = (await self._ready_model(name, status)).metadata
             v2.requested_outputs(body)
-            result = await self._infer(name, v2.decode(body, meta, self._config.limits.max_rows))
+            rows = v2.decode(body, meta, self._config.limits.max_rows)
+            result = await model.infer(rows.ids, rows.mask)
             return json_response(v2.infer_response(name, body, result.logits))
 
         return await self._measured("v2_infer", name, work)
@@ -281,17 +279,18 @@ class Ingress:
     # ---- simple JSON ----
     @app.get("/v1/models")
     async def list_models(self) -> Response:
-        statuses = await asyncio.gather(*(self._status(n) for n in self._handles))
+        statuses = await asyncio.gather(*(self._status(n, live=True) for n in self._models))
         return json_response({"models": [_describe(s) for s in statuses]})
 
     @app.post("/v1/models/{name}/predict", openapi_extra=_openapi_body(simple.PredictRequest))
     async def predict(self, name: str, request: Request) -> Response:
         async def work(status: ModelStatus | None) -> Response:
             start = time.perf_counter()
-            self._handle(name)  # 404 before looking at the body
+            model = self._model(name)  # 404 before looking at the body
             body = await self._body(request, simple.PredictRequest)
             status = await self._ready_model(name, status)
-            result = await self._infer(name, simple.decode(body, status.metadata, self._config.limits.max_rows))
+            rows = simple.decode(body, status.metadata, self._config.limits.max_rows)
+            result = await model.infer(rows.ids, rows.mask)
             timing = {
                 "total_ms": (time.perf_counter() - start) * 1e3,
                 "queue_ms": result.queue_s * 1e3,
@@ -305,9 +304,9 @@ class Ingress:
     @app.post("/v1/models/{name}/attention", openapi_extra=_openapi_body(attention_api.AttentionRequest))
     async def attention(self, name: str, request: Request) -> Response:
         """Per-layer, per-head attention weights of one text (from model.attn.onnx, opened on first use)."""
-        self._handle(name)  # 404 before looking at the body
+        model = self._model(name)  # 404 before looking at the body
         body = await self._body(request, attention_api.AttentionRequest)
         meta: ModelMetadata = (await self._ready_model(name)).metadata
         ids, tokens = attention_api.decode(body, meta)
-        result = await self._handle(name).attention.remote(ids)
+        result = await model.attention(ids)
         return json_response(attention_api.response(body, meta, tokens, result))

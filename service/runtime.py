@@ -56,9 +56,11 @@ def plan_providers(backend: str) -> tuple[list[str], str]:
     return [CUDA, CPU], "auto chose GPU: CUDAExecutionProvider is installed and a GPU is visible"
 
 
-def session_options(threads: int) -> ort.SessionOptions:
+def session_options(threads: int, spinning: bool = True) -> ort.SessionOptions:
+    """Intra-op threads for one run at a time; `spinning` False lets idle threads sleep (they spin by default)."""
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
     opts.inter_op_num_threads = 1
     opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -94,14 +96,14 @@ def preload_cuda_libraries() -> None:
             preload()
 
 
-def load_runtime(models_dir: str | Path, name: str, backend: str, threads: int) -> Runtime:
+def load_runtime(models_dir: str | Path, name: str, backend: str, threads: int, spinning: bool = True) -> Runtime:
     """Open `models_dir/name/model.onnx` on the requested backend; ModelFileError or BackendError say why not."""
     providers, reason = plan_providers(backend)
     if providers[0] == CUDA:
         preload_cuda_libraries()
     path = model_file(models_dir, name)
     try:
-        session = ort.InferenceSession(str(path), sess_options=session_options(threads), providers=providers)
+        session = ort.InferenceSession(str(path), sess_options=session_options(threads, spinning), providers=providers)
     except Exception as exc:  # ORT's load errors (InvalidProtobuf, Fail, ...) derive from Exception only
         raise ModelFileError(f"model {name!r}: ONNX Runtime cannot load {path}: {exc}") from exc
     active = session.get_providers()[0]

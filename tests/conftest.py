@@ -68,21 +68,36 @@ def serve_port(metrics_port):
     stop_ray()
 
 
-@pytest.fixture(scope="session")
-def service(serve_port, tiny_models_dir):
-    """The real application on the tiny models (a small CPU share; requests coalesced at the ingress, as
-    `mha-serving serve` runs it), at http://127.0.0.1:PORT."""
+PLACEMENTS = ["colocated", "deployment"]
+
+
+@pytest.fixture(scope="session", params=PLACEMENTS)
+def service(request, serve_port, tiny_models_dir):
+    """The real application on the tiny models (a small CPU share), once per placement: models co-located in the
+    ingress at /, and each model in its own deployment (requests coalesced at the ingress, as `mha-serving serve`
+    runs it) at /main-deployment. Every test that uses it runs against both."""
     from serving import deploy
 
-    return deploy(serve_port, "main", tiny_models_dir, ingress={"coalesce": True})
+    name = "main" if request.param == "colocated" else f"main-{request.param}"
+    return deploy(serve_port, name, tiny_models_dir, placement=request.param, ingress={"coalesce": True})
 
 
-@pytest.fixture(scope="session")
-def limited_service(serve_port, tiny_models_dir, tmp_path_factory):
-    """A second application with tiny limits and three broken model folders next to a good one, under /limited."""
+@pytest.fixture(scope="session", params=PLACEMENTS)
+def limited_service(request, serve_port, tiny_models_dir, tmp_path_factory):
+    """A second application with tiny limits and three broken model folders next to a good one, under
+    /limited-<placement>, once per placement."""
     from serving import broken_models_dir, deploy
 
     models = broken_models_dir(tmp_path_factory.mktemp("limited") / "models", tiny_models_dir / "mha-h2-d32")
     settings = {"num_cpus": 0.1, "max_ongoing_requests": 1, "max_queued_requests": 1, "batch_wait_timeout_s": 0.5}
     limits = {"max_rows": 4, "max_body_bytes": 4096}
-    return deploy(serve_port, "limited", models, deployment=settings, limits=limits, ingress={"coalesce": True})
+    name = f"limited-{request.param}"
+    return deploy(
+        serve_port,
+        name,
+        models,
+        placement=request.param,
+        deployment=settings,
+        limits=limits,
+        ingress={"coalesce": True},
+    )

@@ -55,13 +55,15 @@ def start_ray_and_serve(metrics_port: int | None = None) -> int:
     return port
 
 
-def deploy(port: int, name: str, models_dir: Path, **config) -> Served:
-    """Deploy `build_app(config)` as application `name` under route prefix `/name` (or `/` for "main")."""
+def deploy(port: int, name: str, models_dir: Path, placement: str = "auto", **config) -> Served:
+    """Deploy `build_app(config)` as application `name` under route prefix `/name` (or `/` for "main"); `deployment`
+    settings are added to TEST_DEPLOYMENT, with every model's `placement` (auto: co-located on CPU)."""
     from ray import serve
 
     from service.app import build_app
 
-    args = {"models_dir": str(models_dir), "deployment": dict(TEST_DEPLOYMENT), **config}
+    settings = {**TEST_DEPLOYMENT, "placement": placement, **config.pop("deployment", {})}
+    args = {"models_dir": str(models_dir), "deployment": settings, **config}
     prefix = "/" if name == "main" else f"/{name}"
     logging = {"enable_access_log": False, "log_level": "WARNING"}
     serve.run(build_app(args), name=name, route_prefix=prefix, blocking=False, logging_config=logging)

@@ -1,0 +1,90 @@
+"""One model's serving engine: its ORT session, dynamic batcher, metrics and attention variant, in one process.
+
+The same engine runs co-located in the ingress replica (no Ray call per request) or inside the model's own Serve
+deployment; both placements share this code. No torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from export.metadata import ModelMetadata
+from service.attention_api import AttentionResult, AttentionVariant
+from service.batching import BatchPolicy, BatchResult, DynamicBatcher
+from service.config import DeploymentSettings
+from service.errors import ModelFileError, NotReadyError
+from service.metrics import ReplicaMetrics, model_labels
+from service.runtime import Runtime, load_runtime
+
+
+@dataclass(frozen=True)
+class ModelStatus:
+    """What an engine reports: readiness (with the reason when not ready), backend and the model's metadata."""
+
+    name: str
+    ready: bool
+    reason: str
+    backend: str = ""
+    threads: int = 0
+    metadata: ModelMetadata | None = None
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """How one engine runs its model (from the model's DeploymentSettings)."""
+
+    backend: str  # auto, cpu or gpu: what was asked for
+    threads: int  # ORT intra-op threads
+    policy: BatchPolicy
+    spinning: bool = True  # ORT's intra-op threads spin-wait between runs (faster at c=1, burns CPU when busy)
+
+    @classmethod
+    def of(cls, settings: DeploymentSettings, backend: str) -> EngineSettings:
+        """From a model's DeploymentSettings: the same engine settings in either placement."""
+        policy = BatchPolicy(settings.max_batch_size, settings.max_queued_requests, settings.batch_wait_timeout_s)
+        return cls(backend, settings.threads(), policy, settings.ort_spinning)
+
+
+class ModelEngine:
+    """Triton-style lifecycle: load once at construction (a bad folder is reported, a backend that cannot be honoured
+    raises BackendError), then `infer` per request; `status` backs readiness and the model list."""
+
+    def __init__(self, models_dir: str, name: str, settings: EngineSettings) -> None:
+        self.name = name
+        self._runtime: Runtime | None = None
+        self._error = ""
+        try:
+            self._runtime = load_runtime(models_dir, name, settings.backend, settings.threads, settings.spinning)
+        except ModelFileError as exc:  # BackendError is not caught: whoever holds the engine fails, saying why
+            self._error = str(exc)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ort-{name}")
+        self._metrics = ReplicaMetrics()
+        rt = self._runtime
+        self.labels = model_labels(rt.meta, rt.backend) if rt is not None else model_labels(None, "", name)
+        self._attention = AttentionVariant(models_dir, name, settings.threads)  # opened on first use only
+        self._batcher = None
+        if rt is not None:
+            self._batcher = DynamicBatcher(name, rt.run, self._pool, settings.policy, self._record_batch)
+
+    def status(self) -> ModelStatus:
+        rt = self._runtime
+        if rt is None:
+            return ModelStatus(self.name, False, self._error)
+        return ModelStatus(self.name, True, rt.reason, rt.backend, rt.threads, rt.meta)
+
+    async def infer(self, ids: np.ndarray, mask: np.ndarray) -> BatchResult:
+        """(n, T) int64 ids and mask, already validated -> this request's (n, C) logits and its costs."""
+        if self._batcher is None:
+            raise NotReadyError(f"model {self.name!r} is not ready: {self._error}")
+        return await self._batcher.infer(ids, mask)
+
+    async def attention(self, ids: np.ndarray) -> AttentionResult:
+        """(1, T) ids of one text -> per-layer, per-head weights from model.attn.onnx; not on the `infer` path."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._attention.run, ids)
+
+    def _record_batch(self, rows: int, tokens: int, run_s: float, waits: list[float]) -> None:
+        self._metrics.batch(self.labels, rows, tokens, run_s, waits)
