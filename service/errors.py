@@ -11,6 +11,10 @@ class ServiceError(Exception):
 
     status = 500
 
+    def headers(self) -> dict[str, str] | None:
+        """Extra response headers (e.g. Retry-After); none by default."""
+        return None
+
 
 class BadRequestError(ServiceError):
     """400: the request is malformed or breaks the model's contract (names, dtypes, shapes, ids, lengths)."""
@@ -37,9 +41,13 @@ class NotReadyError(ServiceError):
 
 
 class OverCapacityError(ServiceError):
-    """503: the model's bounded queue is full; retry later."""
+    """503: the model's bounded queue is full; retry later (the answer says when, in Retry-After)."""
 
     status = 503
+    retry_after_s = 1
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)}
 
 
 class ModelFileError(ValueError):

@@ -1,10 +1,10 @@
-"""The HTTP ingress: one FastAPI app with every route (v2 protocol, simple JSON, model list), errors mapped here.
+"""The HTTP ingress: one FastAPI app with every route (v2 protocol, simple JSON, model list, attention).
 
-It validates and tokenizes requests against each model's metadata, then calls that model's deployment. No torch.
+It validates and tokenizes requests against each model's metadata, then runs the model where it is placed: its
+engine in this replica (co-located) or its own deployment. No torch.
 """
 
 import asyncio
-import json
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -19,12 +19,12 @@ from starlette.exceptions import HTTPException
 
 from export.metadata import ModelMetadata
 from service import attention_api
+from service.asgi import FrontDoor, read_body
 from service.coalescer import Coalescer
 from service.config import AppConfig
 from service.engine import EngineSettings, ModelEngine, ModelStatus
 from service.errors import (
     BadRequestError,
-    BodyTooLargeError,
     ModelNotFoundError,
     NotReadyError,
     OverCapacityError,
@@ -33,39 +33,26 @@ from service.errors import (
 from service.metrics import GAUGE_REFRESH_S, UNKNOWN_MODEL, IngressMetrics, model_labels
 from service.placement import Colocated, ModelPlacement, Remote
 from service.protocol import simple, v2
+from service.responses import error_response, json_response
 
 BINARY_HEADER = "inference-header-content-length"
 BodyT = TypeVar("BodyT", bound=BaseModel)
 
 
-def json_response(body: Any, status: int = 200) -> Response:
-    return Response(json.dumps(body), status_code=status, media_type="application/json")
+class ServiceApp(FastAPI):
+    """FastAPI with FrontDoor outermost, before FastAPI's own middleware (each layer wraps `send` once more)."""
+
+    def build_middleware_stack(self):
+        return FrontDoor(super().build_middleware_stack())
 
 
-class BodyLimit:
-    """ASGI middleware: a request whose Content-Length is over the limit gets 413 before its body is read."""
-
-    def __init__(self, app) -> None:
-        self.app = app
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http":
-            limit = getattr(scope["app"].state, "max_body_bytes", None)
-            length = dict(scope["headers"]).get(b"content-length")
-            if limit is not None and length is not None and length.isdigit() and int(length) > limit:
-                error = BodyTooLargeError(f"request body of {int(length)} bytes is over the limit of {limit} bytes")
-                response = json_response({"error": str(error)}, error.status)
-                return await response(scope, receive, send)
-        await self.app(scope, receive, send)
+app = ServiceApp(title="mha-serving", description="Multi-head attention classifiers on ONNX Runtime in Ray Serve.")
 
 
-app = FastAPI(title="mha-serving", description="Multi-head attention classifiers on ONNX Runtime in Ray Serve.")
-app.add_middleware(BodyLimit)
-
-
-@app.exception_handler(ServiceError)
-async def _service_error(_: Request, exc: ServiceError) -> Response:
-    return json_response({"error": str(exc)}, exc.status)
+@app.exception_handler(ServiceError)  # typed errors, and below anything unexpected: the mapping in service/responses.py
+@app.exception_handler(Exception)
+async def _error(_: Request, exc: Exception) -> Response:
+    return error_response(exc)
 
 
 @app.exception_handler(RequestValidationError)
@@ -75,12 +62,7 @@ async def _invalid_request(_: Request, exc: RequestValidationError) -> Response:
 
 @app.exception_handler(HTTPException)
 async def _http_error(_: Request, exc: HTTPException) -> Response:
-    return json_response({"error": str(exc.detail)}, exc.status_code)
-
-
-@app.exception_handler(Exception)
-async def _internal_error(_: Request, exc: Exception) -> Response:
-    return json_response({"error": f"internal error: {type(exc).__name__}: {exc}"}, 500)
+    return json_response({"error": str(exc.detail)}, exc.status_code, exc.headers)
 
 
 def _describe(status: ModelStatus) -> dict[str, Any]:
@@ -147,6 +129,7 @@ class Ingress:
         self._metrics = IngressMetrics()
         self._gauge_refresher: asyncio.Task | None = None  # started on the replica's event loop by the first request
         app.state.max_body_bytes = config.limits.max_body_bytes
+        app.state.ingress = self  # FrontDoor sends the inference routes straight to this replica's handlers
 
     def _model(self, name: str) -> ModelPlacement:
         model = self._models.get(name)
@@ -210,10 +193,7 @@ class Ingress:
         return status
 
     async def _body(self, request: Request, model: type[BodyT]) -> BodyT:
-        raw = await request.body()
-        limit = self._config.limits.max_body_bytes
-        if len(raw) > limit:  # a body sent without Content-Length (chunked) is checked here
-            raise BodyTooLargeError(f"request body of {len(raw)} bytes is over the limit of {limit} bytes")
+        raw = await read_body(request, self._config.limits.max_body_bytes)
         header = request.headers.get(BINARY_HEADER)
         if header is not None and header.strip() != str(len(raw)):
             raise BadRequestError("binary tensor data is not supported; send JSON tensor data (binary_data=False)")

@@ -1,0 +1,78 @@
+"""ASGI middleware in front of the FastAPI app: the body limit, checked on Content-Length and again while reading,
+and the inference routes (the hot path) dispatched straight to the ingress's handlers, skipping FastAPI's routing
+and dependency resolution; every other route, and the OpenAPI document, is FastAPI's. No torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import Request
+
+from service.errors import BodyTooLargeError
+from service.responses import error_response
+
+
+def route_path(scope: dict[str, Any]) -> str:
+    """The request path below the application's route prefix (Serve sets it as root_path)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root) :] or "/" if root and path.startswith(root) else path
+
+
+def match_inference(method: str, path: str) -> tuple[str, dict[str, str]] | None:
+    """(handler name, path parameters) for POST /v2/models/{name}[/versions/{version}]/infer and
+    /v1/models/{name}/predict; None for any other request."""
+    if method != "POST":
+        return None
+    parts = path.split("/")  # "", protocol, "models", name, ...
+    if len(parts) < 5 or parts[2] != "models" or not parts[3]:
+        return None
+    if parts[1] == "v2" and len(parts) == 5 and parts[4] == "infer":
+        return "infer", {"name": parts[3]}
+    if parts[1] == "v2" and len(parts) == 7 and parts[4] == "versions" and parts[5] and parts[6] == "infer":
+        return "infer", {"name": parts[3], "version": parts[5]}
+    if parts[1] == "v1" and len(parts) == 5 and parts[4] == "predict":
+        return "predict", {"name": parts[3]}
+    return None
+
+
+def too_large(size: int, limit: int) -> BodyTooLargeError:
+    return BodyTooLargeError(f"request body of {size} bytes is over the limit of {limit} bytes")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The whole body, refused (413) as soon as more than `limit` bytes have arrived, chunked or not."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(size, limit) from None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+class FrontDoor:
+    """The app's outermost middleware. The ingress registers itself as `app.state.ingress`, with
+    `app.state.max_body_bytes`; before it has, every request goes to FastAPI."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        state = scope["app"].state
+        limit = getattr(state, "max_body_bytes", None)
+        length = dict(scope["headers"]).get(b"content-length")
+        if limit is not None and length is not None and length.isdigit() and int(length) > limit:
+            return await error_response(too_large(int(length), limit))(scope, receive, send)
+        ingress = getattr(state, "ingress", None)
+        route = match_inference(scope["method"], route_path(scope)) if ingress is not None else None
+        if route is None:
+            return await self.app(scope, receive, send)
+        handler, params = route
+        try:
+            response = await getattr(ingress, handler)(request=Request(scope, receive), **params)
+        except Exception as exc:  # the same mapping as FastAPI's exception handlers
+            response = error_response(exc)
+        await response(scope, receive, send)

@@ -1,0 +1,178 @@
+"""The in-process dynamic batcher, on a real thread pool and a run function that records its batches: no wait when
+idle, batches grow while a run is in flight, rows capped, a bounded wait list, departed clients skipped."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from service.batching import BatchPolicy, DynamicBatcher
+from service.errors import OverCapacityError
+
+
+class SlowModel:
+    """logits[i] = (sum of row i's tokens, its length); each run takes `seconds` and is recorded as (rows, width)."""
+
+    def __init__(self, seconds: float = 0.0) -> None:
+        self.seconds = seconds
+        self.runs: list[tuple[int, int]] = []
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def __call__(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        self.gate.wait(5)
+        time.sleep(self.seconds)
+        self.runs.append(ids.shape)
+        return np.stack([(ids * mask).sum(axis=1), mask.sum(axis=1)], axis=1).astype(np.float32)  # (N, 2)
+
+
+def rows(n: int, length: int, start: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    ids = np.arange(start, start + n * length, dtype=np.int64).reshape(n, length)  # (n, length)
+    return ids, np.ones_like(ids)
+
+
+def expected(ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    return np.stack([(ids * mask).sum(axis=1), mask.sum(axis=1)], axis=1).astype(np.float32)
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 10))
+
+
+@pytest.fixture
+def pool():
+    with ThreadPoolExecutor(1) as executor:
+        yield executor
+
+
+def batcher(model, pool, **policy) -> tuple[DynamicBatcher, list]:
+    batches: list = []
+    hook = lambda n, tokens, run_s, waits: batches.append((n, tokens, len(waits)))  # noqa: E731
+    return DynamicBatcher("m", model, pool, BatchPolicy(**policy), hook), batches
+
+
+def test_an_idle_batcher_runs_a_request_at_once_alone(pool):
+    model = SlowModel()
+    b, batches = batcher(model, pool, max_wait_s=0.0)
+
+    async def one():
+        start = time.perf_counter()
+        result = await b.infer(*rows(2, 3))
+        return result, time.perf_counter() - start
+
+    result, seconds = run(one())
+    np.testing.assert_array_equal(result.logits, expected(*rows(2, 3)))
+    assert model.runs == [(2, 3)] and batches == [(2, 6, 1)] and result.batch_rows == 2
+    assert seconds < 1.0 and result.queue_s < seconds
+
+
+def test_requests_arriving_during_a_run_share_the_next_batch_padded_to_the_longest(pool):
+    model = SlowModel(seconds=0.05)
+    b, _ = batcher(model, pool, max_batch_size=32)
+    requests = [rows(1, 2, 1)] + [rows(1 + i % 2, 3 + i, 100 * i) for i in range(1, 6)]
+
+    async def burst():
+        first = asyncio.ensure_future(b.infer(*requests[0]))
+        await asyncio.sleep(0.01)  # the first run is in flight: the others queue behind it
+        return await asyncio.gather(first, *(b.infer(*r) for r in requests[1:]))
+
+    results = run(burst())
+    assert model.runs == [(1, 2), (sum(r[0].shape[0] for r in requests[1:]), 8)]  # width: the longest, 8 tokens
+    for (ids, mask), result in zip(requests, results, strict=True):
+        np.testing.assert_array_equal(result.logits, expected(ids, mask))
+
+
+def test_a_batch_never_holds_more_than_max_batch_size_rows(pool):
+    model = SlowModel()
+    model.gate.clear()  # hold the first run so that everything else queues
+    b, _ = batcher(model, pool, max_batch_size=4)
+
+    async def queued():
+        tasks = [asyncio.ensure_future(b.infer(*rows(n, 2, 10 * i))) for i, n in enumerate([1, 3, 2, 2, 1, 4])]
+        await asyncio.sleep(0.05)
+        model.gate.set()
+        return await asyncio.gather(*tasks)
+
+    run(queued())
+    # all six queue before the first run starts; FIFO, each batch as full as the next request allows
+    assert [n for n, _ in model.runs] == [1 + 3, 2 + 2, 1, 4]
+
+
+def test_a_request_with_more_rows_than_a_batch_runs_in_chunks_answered_in_order(pool):
+    model = SlowModel()
+    b, _ = batcher(model, pool, max_batch_size=4)
+    ids, mask = rows(10, 3)
+    result = run(b.infer(ids, mask))
+    np.testing.assert_array_equal(result.logits, expected(ids, mask))
+    assert sorted(n for n, _ in model.runs) == [2, 4, 4]
+
+
+def test_a_full_wait_list_refuses_at_once_and_the_batcher_keeps_serving(pool):
+    model = SlowModel()
+    model.gate.clear()
+    b, _ = batcher(model, pool, max_queued_requests=2)
+
+    async def overflow():
+        running = asyncio.ensure_future(b.infer(*rows(1, 2)))
+        await asyncio.sleep(0.02)  # taken out of the wait list: running
+        waiting = [asyncio.ensure_future(b.infer(*rows(1, 2))) for _ in range(2)]
+        await asyncio.sleep(0)
+        with pytest.raises(OverCapacityError, match="over capacity"):
+            await b.infer(*rows(1, 2))
+        model.gate.set()
+        return await asyncio.gather(running, *waiting)
+
+    assert len(run(overflow())) == 3
+    assert run(b.infer(*rows(1, 2))).logits.shape == (1, 2)
+
+
+def test_a_request_whose_client_went_away_is_not_run(pool):
+    model = SlowModel()
+    model.gate.clear()
+    b, _ = batcher(model, pool)
+
+    async def cancel_one():
+        running = asyncio.ensure_future(b.infer(*rows(1, 2)))
+        await asyncio.sleep(0.02)
+        gone = asyncio.ensure_future(b.infer(*rows(3, 2)))
+        kept = asyncio.ensure_future(b.infer(*rows(1, 5)))
+        await asyncio.sleep(0)
+        gone.cancel()
+        model.gate.set()
+        return await asyncio.gather(running, kept)
+
+    run(cancel_one())
+    assert model.runs == [(1, 2), (1, 5)]
+
+
+def test_a_failed_run_fails_its_requests_only(pool):
+    calls = []
+
+    def flaky(ids, mask):
+        calls.append(ids.shape[0])
+        if len(calls) == 1:
+            raise RuntimeError("ORT failed")
+        return expected(ids, mask)
+
+    b, _ = batcher(flaky, pool)
+    with pytest.raises(RuntimeError, match="ORT failed"):
+        run(b.infer(*rows(1, 2)))
+    assert run(b.infer(*rows(2, 2))).logits.shape == (2, 2)
+
+
+def test_a_batch_window_waits_for_more_rows_up_to_max_wait(pool):
+    model = SlowModel()
+    b, _ = batcher(model, pool, max_batch_size=8, max_wait_s=0.2)
+
+    async def trickle():
+        first = asyncio.ensure_future(b.infer(*rows(1, 2)))
+        await asyncio.sleep(0.05)
+        return await asyncio.gather(first, b.infer(*rows(2, 2)))
+
+    run(trickle())
+    assert model.runs == [(3, 2)]  # both in one run: the first waited for the second
