@@ -46,7 +46,7 @@ def build_app(args: AppConfig | dict[str, Any] | None = None) -> Application:
     ingress = config.ingress
     return Ingress.options(
         name=INGRESS_NAME,
-        num_replicas=ingress.num_replicas,
+        **ingress.scaling(),
         ray_actor_options={"num_cpus": ingress.num_cpus},
         max_ongoing_requests=ingress.max_ongoing_requests,
         max_queued_requests=ingress.max_queued_requests,

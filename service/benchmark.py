@@ -1,8 +1,9 @@
-"""`python -m service.benchmark`: the service against bare ONNX Runtime (and a plain FastAPI + ORT server), in one run.
+"""`python -m service.benchmark`: the service against bare ONNX Runtime and a plain FastAPI + ORT server, in one run.
 
-Small model (d_model 128, h 4, 2 layers) and default (d_model 512, h 8, 4 layers), 32 tokens per request; prints
-single-request p50 and concurrency-32 throughput with their ratios. Not a test: numbers are noisy on shared cores.
-No torch (models are exported by a `mha-serving export` subprocess when missing).
+Small model (d_model 128, h 4, 2 layers) and default (d_model 512, h 8, 4 layers), 32 tokens per request: c=1 p50
+and c=32 throughput of each placement, the five default models served together, RSS and time to ready, then the
+ratios of the bar. Every server runs as a user starts it (`mha-serving serve` in a subprocess). Not a test: numbers
+are noisy on shared cores; compare within a run. No torch (missing models are exported by a subprocess).
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,29 +20,22 @@ import numpy as np
 
 from export.metadata import MODEL_FILE, config_name
 from service.bench_client import LoadResult, load, post_bytes
-from service.config import AppConfig
+from service.bench_server import ServerProcess, free_port
 from service.runtime import load_runtime
 
 MODELS = {"small": (128, 4, 2), "default": (512, 8, 4)}  # d_model, heads, layers
+FIVE_HEADS = (1, 2, 4, 8, 16)  # the default head set (`make run`): d_model 512, 4 layers
 TOKENS = 32
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def ensure_models(models_dir: Path) -> dict[str, str]:
-    names = {}
-    for label, (d_model, heads, layers) in MODELS.items():
-        name = names[label] = config_name(heads, d_model)
-        if not (models_dir / name / MODEL_FILE).is_file():
-            cmd = [sys.executable, "-m", "service.cli", "export", "--heads", str(heads), "--d-model", str(d_model)]
-            cmd += ["--layers", str(layers), "--out", str(models_dir)]
-            print(f"exporting {name}: {' '.join(cmd[2:])}", flush=True)
-            subprocess.run(cmd, check=True)
-    return names
+def ensure_model(models_dir: Path, heads: int, d_model: int, layers: int) -> str:
+    name = config_name(heads, d_model)
+    if not (models_dir / name / MODEL_FILE).is_file():
+        cmd = [sys.executable, "-m", "service.cli", "export", "--heads", str(heads), "--d-model", str(d_model)]
+        cmd += ["--layers", str(layers), "--out", str(models_dir)]
+        print(f"exporting {name}: {' '.join(cmd[2:])}", flush=True)
+        subprocess.run(cmd, check=True)
+    return name
 
 
 def request_bodies(n: int, batch: int = 1, seed: int = 0) -> list[bytes]:
@@ -87,136 +80,141 @@ def bare_ort(models_dir: Path, name: str, seconds: float) -> dict[str, float]:
     return out
 
 
-def measure_http(port: int, path: str, seconds: float, concurrency: int) -> tuple[LoadResult, LoadResult]:
-    requests = [post_bytes(path, b) for b in request_bodies(64)]
+def measure(port: int, name: str, seconds: float, concurrency: int) -> dict[str, float]:
+    """c=1 p50 and c=`concurrency` throughput of one model over HTTP (v2 infer, 32 tokens)."""
+    requests = [post_bytes(f"/v2/models/{name}/infer", b) for b in request_bodies(64)]
     load(port, requests, 4, 1.0)  # warm up
-    single = load(port, requests, 1, seconds)
-    loaded = load(port, requests, concurrency, seconds)
-    return single, loaded
+    single: LoadResult = load(port, requests, 1, seconds)
+    loaded: LoadResult = load(port, requests, concurrency, seconds)
+    return {
+        "c1_p50_ms": single.percentile_ms(50),
+        "rate": loaded.rate,
+        "loaded_p50_ms": loaded.percentile_ms(50),
+        "loaded_p99_ms": loaded.percentile_ms(99),
+        "errors": single.errors + loaded.errors,
+    }
 
 
-def wait_for_port(port: int, timeout: float = 60) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.2)
-    raise RuntimeError(f"nothing listens on 127.0.0.1:{port} after {timeout:g} s")
+def serve_config(models_dir: Path, names: list[str], placement: str, args) -> dict:
+    """The AppConfig: `mha-serving serve`'s defaults, the given placement, and only the options asked for."""
+    deployment: dict = {"placement": placement}
+    if placement == "deployment":
+        deployment["num_cpus"] = 0.5  # two model replicas and the ingress fit the 2-core default Ray
+    for key, value in (("intra_op_threads", args.threads), ("ort_spinning", args.spinning)):
+        if value is not None:
+            deployment[key] = value
+    return {"models_dir": str(models_dir), "models": names, "backend": "cpu", "deployment": deployment}
 
 
-def plain_fastapi(models_dir: Path, name: str, args) -> tuple[LoadResult, LoadResult]:
+def served(models_dir: Path, names: dict[str, str], placement: str, args, measured: list[str] | None = None) -> dict:
+    """One `mha-serving serve` with these models (label -> name), the `measured` ones (default: all) measured in
+    turn while the others idle; RSS and time to ready."""
+    config = serve_config(models_dir, sorted(names.values()), placement, args)
+    with ServerProcess(config, extra_args=["--proxy"] if args.proxy else []) as server:
+        out: dict = {"ready_s": server.ready_s, "rss_mib": server.rss_mib(), "processes": server.process_count()}
+        for label in measured or list(names):
+            out[label] = measure(server.port, names[label], args.seconds, args.concurrency)
+    return out
+
+
+def plain_fastapi(models_dir: Path, name: str, args) -> dict[str, float]:
     port = free_port()
     cmd = [sys.executable, "-m", "service.bench_baseline", "--models", str(models_dir), "--name", name]
     proc = subprocess.Popen([*cmd, "--port", str(port), "--threads", "1"])
     try:
-        wait_for_port(port)
-        return measure_http(port, f"/v2/models/{name}/infer", args.seconds, args.concurrency)
+        ServerProcess.wait_for_http(port, "/docs", 60)
+        return measure(port, name, args.seconds, args.concurrency)
     finally:
         proc.terminate()
         proc.wait(10)
 
 
-def served(models_dir: Path, names: dict[str, str], args) -> dict[str, tuple[LoadResult, LoadResult]]:
-    """The service as `mha-serving serve` starts it (direct ingress unless --proxy), measured over HTTP."""
-    from service.launcher import LocalServe, shutdown, start_local
-
-    settings: dict = {"num_cpus": 0.5, "max_batch_size": args.max_batch_size}
-    settings.update(batch_wait_timeout_s=args.batch_wait, max_ongoing_requests=args.max_ongoing)
-    # ORT threads as bare ORT measured best: 1 for the small model at batch 1, 2 (both cores) for the default one
-    threads = {"small": args.threads or 1, "default": args.threads or 2}
-    overrides = {name: {**settings, "intra_op_threads": threads[label]} for label, name in names.items()}
-    config = AppConfig(
-        models_dir=str(models_dir),
-        models=sorted(names.values()),
-        backend="cpu",
-        deployment=settings,
-        overrides=overrides,
-    )
-    opts = LocalServe(port=free_port(), metrics_port=None, direct=not args.proxy)
-    try:
-        start_local(config, opts)
-        return {
-            label: measure_http(opts.port, f"/v2/models/{name}/infer", args.seconds, args.concurrency)
-            for label, name in names.items()
-        }
-    finally:
-        shutdown()
+BAR = {
+    "small_c32_over_plain": 1.15,  # >=
+    "default_c32_over_batched_ort": 0.9,  # >=
+    "small_c1_over_bare_ms": 1.0,  # <=
+    "default_c1_over_bare_ms": 1.5,  # <=
+    "five_c1_p50_over_alone": 1.10,  # <=
+    "five_c32_over_alone": 0.90,  # >=
+    "five_pss_mib": 1536,  # <=
+    "five_ready_s": 15.0,  # <=
+}
+AT_MOST = {"small_c1_over_bare_ms", "default_c1_over_bare_ms", "five_c1_p50_over_alone", "five_pss_mib", "five_ready_s"}
 
 
-def report(names, bare, plain, service, concurrency: int) -> dict:
-    rows = []
-    summary: dict = {}
-    for label, name in names.items():
-        single, loaded = service[label]
+def ratios(bare: dict, plain: dict, colocated: dict, alone: dict, five: dict) -> dict[str, float]:
+    s, d = colocated["small"], colocated["default"]
+    return {
+        "small_c32_over_plain": s["rate"] / plain["rate"],
+        "default_c32_over_batched_ort": d["rate"] / bare["default"]["best_rate"],
+        "small_c1_over_bare_ms": s["c1_p50_ms"] - bare["small"]["p50_ms"],
+        "default_c1_over_bare_ms": d["c1_p50_ms"] - bare["default"]["p50_ms"],
+        "five_c1_p50_over_alone": five["busy"]["c1_p50_ms"] / alone["default"]["c1_p50_ms"],
+        "five_c32_over_alone": five["busy"]["rate"] / alone["default"]["rate"],
+        "five_pss_mib": five["rss_mib"]["Pss"],
+        "five_ready_s": five["ready_s"],
+    }
+
+
+def report(bare: dict, plain: dict, runs: dict[str, dict], summary: dict[str, float], concurrency: int) -> None:
+    print(f"\n{'server':<34} {'model':<8} {'c=1 p50':>9} {f'c={concurrency}':>11} {'p99':>9}  errors")
+    for label in ("small", "default"):
         b = bare[label]
-        rows.append(
-            f"{label:<8} {name:<12} bare ORT b1 p50 {b['p50_ms']:6.2f} ms | best batch {b['best_rate']:7.0f} seq/s | "
-            f"service c=1 p50 {single.percentile_ms(50):6.2f} ms | c={concurrency} {loaded.rate:7.0f} req/s "
-            f"(p50 {loaded.percentile_ms(50):.1f} ms, p99 {loaded.percentile_ms(99):.1f} ms, {loaded.errors} errors)"
-        )
-        summary[label] = {
-            "bare_p50_ms": b["p50_ms"],
-            "bare_best_rate": b["best_rate"],
-            "service_c1_p50_ms": single.percentile_ms(50),
-            "service_c32_rate": loaded.rate,
-            "service_c32_errors": loaded.errors,
-            "c1_p50_over_bare_ms": single.percentile_ms(50) - b["p50_ms"],
-            "c32_rate_over_best_batched": loaded.rate / b["best_rate"],
-        }
-    if plain is not None:
-        single, loaded = plain
-        rows.append(
-            f"plain FastAPI + ORT (small): c=1 p50 {single.percentile_ms(50):.2f} ms | c={concurrency} "
-            f"{loaded.rate:.0f} req/s"
-        )
-        summary["plain_fastapi_small"] = {"c1_p50_ms": single.percentile_ms(50), "c32_rate": loaded.rate}
-        summary["small"]["c32_rate_over_plain_fastapi"] = summary["small"]["service_c32_rate"] / loaded.rate
-    print("\n".join(rows))
-    s, d = summary["small"], summary["default"]
+        print(f"{'bare ORT (b1 p50 / best batch)':<34} {label:<8} {b['p50_ms']:7.2f}ms {b['best_rate']:7.0f} seq/s")
+    print(f"{'plain FastAPI + ORT':<34} {'small':<8} {plain['c1_p50_ms']:7.2f}ms {plain['rate']:7.0f} req/s")
+    for run_name, run in runs.items():
+        for label, m in run.items():
+            if isinstance(m, dict) and "rate" in m:
+                print(
+                    f"{run_name:<34} {label:<8} {m['c1_p50_ms']:7.2f}ms {m['rate']:7.0f} req/s "
+                    f"{m['loaded_p99_ms']:7.1f}ms  {m['errors']}"
+                )
+    print(f"\n{'server':<34} {'ready':>7} {'processes':>9} {'RSS sum':>9} {'PSS sum':>9}")
+    for run_name, run in runs.items():
+        rss = run["rss_mib"]
+        print(f"{run_name:<34} {run['ready_s']:6.1f}s {run['processes']:>9} {rss['Rss']:6.0f}MiB {rss['Pss']:6.0f}MiB")
     print("\nratios (bar in brackets):")
-    print(
-        f"  default: c={concurrency} throughput / best in-process batched ORT = {d['c32_rate_over_best_batched']:.2f}"
-        "  [>= 0.85]"
-    )
-    print(f"  small:   c=1 p50 - bare ORT p50 = {s['c1_p50_over_bare_ms']:+.2f} ms  [<= +2 ms]")
-    if "c32_rate_over_plain_fastapi" in s:
-        print(
-            f"  small:   c={concurrency} throughput / plain FastAPI + ORT = {s['c32_rate_over_plain_fastapi']:.2f}"
-            "  [>= 1.0]"
-        )
-    return summary
+    for key, value in summary.items():
+        sign = "<=" if key in AT_MOST else ">="
+        ok = value <= BAR[key] if key in AT_MOST else value >= BAR[key]
+        print(f"  {key:<32} {value:9.2f}  [{sign} {BAR[key]:g}] {'ok' if ok else 'NOT MET'}")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m service.benchmark", description=__doc__.splitlines()[0])
-    p.add_argument("--models", type=Path, default=Path("runs/bench-models"), help="where the two models live")
+    p.add_argument("--models", type=Path, default=Path("runs/bench-models"), help="where the models live")
     p.add_argument("--seconds", type=float, default=5.0, help="per measurement (default: 5)")
     p.add_argument("--concurrency", type=int, default=32)
-    p.add_argument("--threads", type=int, help="ORT intra-op threads per replica (default: 1 small, 2 default)")
-    p.add_argument("--max-batch-size", type=int, default=32)
-    p.add_argument("--batch-wait", type=float, default=0.0, help="batch_wait_timeout_s (default: 0)")
-    p.add_argument("--max-ongoing", type=int, default=64, help="max_ongoing_requests per replica")
+    p.add_argument("--threads", type=int, help="ORT intra-op threads per model (default: the server's)")
+    p.add_argument("--spinning", type=lambda v: v.lower() in ("1", "true", "on"), help="ORT spinning on/off")
     p.add_argument("--proxy", action="store_true", help="through Serve's proxy instead of direct ingress")
-    p.add_argument("--skip-plain", action="store_true", help="skip the plain FastAPI + ORT reference server")
-    p.add_argument("--json", type=Path, help="also write the summary here")
-    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="set before Ray starts (levers)")
+    p.add_argument("--json", type=Path, help="also write every figure here")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="set for the servers (levers)")
     args = p.parse_args(argv)
     for item in args.env:
         key, _, value = item.partition("=")
         os.environ[key] = value
-    names = ensure_models(args.models)
-    print(f"measuring bare ORT ({TOKENS} tokens per sequence)...", flush=True)
+    names = {label: ensure_model(args.models, h, d, layers) for label, (d, h, layers) in MODELS.items()}
+    five = [ensure_model(args.models, h, 512, 4) for h in FIVE_HEADS]
+    print(f"bare ORT ({TOKENS} tokens per sequence)...", flush=True)
     bare = {label: bare_ort(args.models, name, args.seconds) for label, name in names.items()}
-    plain = None if args.skip_plain else plain_fastapi(args.models, names["small"], args)
-    print("starting Ray Serve...", flush=True)
-    service = served(args.models, names, args)
-    summary = report(names, bare, plain, service, args.concurrency)
-    summary["settings"] = {k: str(v) for k, v in vars(args).items()}
-    summary["env"] = {k: v for k, v in os.environ.items() if k.startswith("RAY_SERVE_")}
+    print("plain FastAPI + ORT...", flush=True)
+    plain = plain_fastapi(args.models, names["small"], args)
+    runs = {}
+    for placement in ("colocated", "deployment"):
+        print(f"mha-serving serve, placement {placement}...", flush=True)
+        runs[f"serve ({placement})"] = served(args.models, names, placement, args)
+    print("mha-serving serve, the default model alone, then with the four other default models...", flush=True)
+    runs["serve (default model alone)"] = served(args.models, {"default": names["default"]}, "colocated", args)
+    together = {"busy": names["default"], **{f"idle-{i}": n for i, n in enumerate(five) if n != names["default"]}}
+    runs["serve (five default models)"] = served(args.models, together, "colocated", args, measured=["busy"])
+    alone, with_five = runs["serve (default model alone)"], runs["serve (five default models)"]
+    summary = ratios(bare, plain, runs["serve (colocated)"], alone, with_five)
+    report(bare, plain, runs, summary, args.concurrency)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(summary, indent=2) + "\n")
+        figures = {"bare": bare, "plain": plain, "runs": runs, "ratios": summary, "settings": vars(args)}
+        args.json.write_text(json.dumps(figures, indent=2, default=str) + "\n")
     return 0
 
 

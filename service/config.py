@@ -23,6 +23,13 @@ class Autoscaling(BaseModel):
     target_ongoing_requests: float = Field(16.0, gt=0)
 
 
+def replica_options(num_replicas: int, autoscaling: Autoscaling | None) -> dict:
+    """Serve's deployment options for the replica count: fixed, or autoscaling between min and max."""
+    if autoscaling is None:
+        return {"num_replicas": num_replicas}
+    return {"num_replicas": "auto", "autoscaling_config": autoscaling.model_dump()}
+
+
 class DeploymentSettings(BaseModel):
     """Placement, resources, concurrency and batching of one model. Every field has a default."""
 
@@ -60,13 +67,18 @@ class DeploymentSettings(BaseModel):
     def threads(self) -> int:
         return self.intra_op_threads or max(1, int(self.num_cpus))
 
+    def scaling(self) -> dict:
+        return replica_options(self.num_replicas, self.autoscaling)
+
 
 class IngressSettings(BaseModel):
-    """The HTTP ingress (FastAPI) deployment: validation, tokenization, routing to model deployments."""
+    """The HTTP ingress deployment: validation, tokenization, the co-located models' engines, routing to the
+    models placed in their own deployments. Its replicas scale like a model's (fixed count or autoscaling)."""
 
     model_config = ConfigDict(extra="forbid")
-    num_replicas: int = Field(1, ge=1)
-    num_cpus: float = Field(0.0, ge=0)
+    num_replicas: int = Field(1, ge=1, description="fixed replica count (ignored when autoscaling is set)")
+    autoscaling: Autoscaling | None = None
+    num_cpus: float = Field(0.0, ge=0, description="logical CPUs per replica: co-located models run on these")
     max_ongoing_requests: int = Field(256, ge=1)
     max_queued_requests: int = Field(512, ge=1)
     coalesce: bool = Field(
@@ -74,6 +86,9 @@ class IngressSettings(BaseModel):
         description="send each model's waiting requests as one Ray call (service/coalescer.py): much less CPU per "
         "request under load; Serve's per-deployment request metrics then count groups. `mha-serving serve` turns it on",
     )
+
+    def scaling(self) -> dict:
+        return replica_options(self.num_replicas, self.autoscaling)
 
 
 class RequestLimits(BaseModel):

@@ -44,13 +44,10 @@ def model_deployment(
     name: str, models_dir: str, backend: str, settings: DeploymentSettings, num_gpus: float
 ) -> Application:
     """The bound deployment for one model folder, named after the model, with its resources and limits."""
-    scaling: dict = {"num_replicas": settings.num_replicas}
-    if settings.autoscaling is not None:
-        scaling = {"num_replicas": "auto", "autoscaling_config": settings.autoscaling.model_dump()}
     return ModelServer.options(
         name=name,
         ray_actor_options={"num_cpus": settings.num_cpus, "num_gpus": num_gpus},
         max_ongoing_requests=settings.max_ongoing_requests,
         max_queued_requests=settings.max_queued_requests,
-        **scaling,
+        **settings.scaling(),
     ).bind(models_dir, name, backend, settings)

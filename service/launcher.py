@@ -96,8 +96,31 @@ def check_port(host: str, port: int, what: str, flag: str) -> None:
 
 
 def cpus_needed(config: AppConfig, names: list[str]) -> float:
-    per_model = sum(config.settings_for(n).num_cpus * config.settings_for(n).num_replicas for n in names)
+    """Logical CPUs Ray must have for every replica: the models in their own deployments, the ingress, Serve."""
+    remote = [n for n in names if config.placement_for(n, cluster_gpus=0) == "deployment"]
+    per_model = sum(config.settings_for(n).num_cpus * config.settings_for(n).num_replicas for n in remote)
     return per_model + config.ingress.num_cpus * config.ingress.num_replicas + 1  # +1: Serve's controller and proxy
+
+
+MAX_LOCAL_ORT_THREADS = 4  # ORT's intra-op scaling flattens past a few threads at the batch sizes served here
+
+
+def local_defaults(config: AppConfig, direct: bool) -> AppConfig:
+    """What a local server sets where the config is silent (measured: README, Serve section): requests coalesced
+    for models in their own deployments, and ORT intra-op threads on every core (up to 4) for each model: on one
+    machine the models share the cores, and only a busy model's threads run."""
+    ingress = {} if "coalesce" in config.ingress.model_fields_set else {"coalesce": True}
+    if direct:
+        ingress["num_replicas"] = 1  # only one replica can hold the port
+    deployment = {}
+    if "intra_op_threads" not in config.deployment.model_fields_set:
+        deployment["intra_op_threads"] = max(1, min(os.cpu_count() or 1, MAX_LOCAL_ORT_THREADS))
+    return config.model_copy(
+        update={
+            "ingress": config.ingress.model_copy(update=ingress),
+            "deployment": config.deployment.model_copy(update=deployment),
+        }
+    )
 
 
 @dataclass(frozen=True)
@@ -128,10 +151,7 @@ def direct_ingress_env(port: int) -> dict[str, str]:
 def start_local(config: AppConfig, opts: LocalServe) -> None:
     """Start an embedded Ray and Serve, and deploy `build_app(config)`; returns once every replica is up."""
     os.environ.update(direct_ingress_env(opts.port) if opts.direct else {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"})
-    ingress = {} if "coalesce" in config.ingress.model_fields_set else {"coalesce": True}  # measured: README
-    if opts.direct:
-        ingress["num_replicas"] = 1  # only one replica can hold the port
-    config = config.model_copy(update={"ingress": config.ingress.model_copy(update=ingress)})
+    config = local_defaults(config, opts.direct)
     set_local_ray_env()
     import ray
     from ray import serve

@@ -221,10 +221,12 @@ def adapted_serve_config(models_dir: Path, http_port: int) -> dict:
 
 
 def resources_for(config: dict) -> tuple[float, float, float]:
-    """(CPUs the head must advertise, CPUs and GPUs of the GPU node): exactly what the adapted app requests."""
+    """(CPUs the head must advertise, CPUs and GPUs of the GPU node): exactly what the adapted app requests (the
+    CPU head configuration is co-located in the ingress replicas, at their autoscaling minimum)."""
     args = config["applications"][0]["args"]
     gpu, cpu, ingress = args["overrides"][GPU_MODEL], args["overrides"][CPU_MODEL], args["ingress"]
-    head_cpus = cpu["num_cpus"] * cpu["num_replicas"] + ingress["num_cpus"] * ingress["num_replicas"]
+    assert cpu["placement"] == "colocated" and gpu["placement"] == "deployment"
+    head_cpus = ingress["num_cpus"] * ingress["autoscaling"]["min_replicas"]
     return head_cpus, gpu["num_cpus"] * gpu["num_replicas"], gpu["num_gpus"] * gpu["num_replicas"]
 
 
@@ -271,13 +273,14 @@ def test_serve_config_deploys_on_two_nodes_places_by_resources_and_recovers_a_lo
     for model, body in first.items():
         assert body["model"] == model and len(body["logits"][0]) == len(body["labels"])
 
-    # placement: the GPU head configuration on the node with the (logical) GPU, the rest on the head
+    # placement: the GPU head configuration in its own deployment on the node with the (logical) GPU; the CPU one
+    # co-located in the ingress replicas (no deployment of its own), which run on the head
     nodes = {n["node_id"]: n for n in cluster.alive_nodes()}
     gpu_nodes = {i for i, n in nodes.items() if n["resources_total"].get("GPU", 0) > 0}
     head_nodes = {i for i, n in nodes.items() if n["is_head_node"]}
     where = placement(cluster)
     assert where[GPU_MODEL] and where[GPU_MODEL] <= gpu_nodes, (where, nodes)
-    assert where[CPU_MODEL] and where[CPU_MODEL] <= head_nodes, (where, nodes)
+    assert CPU_MODEL not in where, (where, nodes)
     assert where["ingress"] and where["ingress"] <= head_nodes, (where, nodes)
 
     # lose the GPU node: its head configuration stops answering, the others keep going

@@ -67,7 +67,18 @@ def test_serve_config_passes_ray_serve_schema_validation():
 def test_args_validate_against_the_service_app_config():
     config = AppConfig.model_validate(app_args())
     assert config.models == DEFAULT_NAMES
-    assert set(config.overrides) == set(DEFAULT_NAMES), "one deployment (with its resources) per head configuration"
+    assert set(config.overrides) == set(DEFAULT_NAMES), "settings and placement per head configuration"
+    placements = {n: config.placement_for(n, cluster_gpus=1) for n in DEFAULT_NAMES}
+    assert set(placements.values()) == {"colocated", "deployment"}, placements
+
+
+def ingress_cpus(config: AppConfig, at_most: bool = False) -> float:
+    """CPUs the ingress replicas take (at their autoscaling maximum when `at_most`)."""
+    ingress = config.ingress
+    replicas = ingress.num_replicas
+    if ingress.autoscaling is not None:
+        replicas = ingress.autoscaling.max_replicas if at_most else ingress.autoscaling.min_replicas
+    return ingress.num_cpus * replicas
 
 
 def test_a_misspelt_setting_in_the_args_is_rejected():
@@ -103,28 +114,30 @@ def test_gpu_head_configurations_fit_only_gpu_workers_and_cpu_ones_only_cpu_work
     gpu_models = [n for n in DEFAULT_NAMES if (config.settings_for(n).num_gpus or 0) > 0]
     cpu_models = [n for n in DEFAULT_NAMES if n not in gpu_models]
     assert gpu_models and cpu_models
+    assert all(config.placement_for(n, cluster_gpus=1) == "deployment" for n in gpu_models), "GPU replicas of their own"
     gpu_cpus = sum(config.settings_for(n).num_cpus * config.settings_for(n).num_replicas for n in gpu_models)
     gpu_gpus = sum(config.settings_for(n).num_gpus * config.settings_for(n).num_replicas for n in gpu_models)
     assert gpu_gpus <= capacity["gpu-workers"][1], "the GPU head configurations fit one GPU worker"
     assert gpu_cpus <= capacity["gpu-workers"][0]
     leftover_cpus = capacity["gpu-workers"][0] - gpu_cpus
-    for name in cpu_models:
-        settings = config.settings_for(name)
-        assert settings.num_gpus == 0
-        assert settings.num_cpus <= capacity["cpu-workers"][0], f"{name} fits a CPU worker"
-        assert settings.num_cpus > leftover_cpus, f"{name} must not fit the CPUs left on a GPU worker"
+    # the CPU head configurations live in the ingress replicas: those must land on CPU workers only
+    assert all(config.placement_for(n, cluster_gpus=1) == "colocated" for n in cpu_models)
+    assert config.ingress.num_cpus <= capacity["cpu-workers"][0], "an ingress replica fits a CPU worker"
+    assert config.ingress.num_cpus > leftover_cpus, "an ingress replica must not fit the CPUs left on a GPU worker"
     assert capacity["cpu-workers"][1] == 0
     assert config.ingress.num_cpus > 0, "a CPU request keeps the ingress off the head (num-cpus 0)"
+    for name in cpu_models:
+        assert config.settings_for(name).threads() <= config.ingress.num_cpus, f"{name}'s ORT threads fit the ingress"
 
 
 def test_autoscaled_head_configurations_fit_the_cpu_group_at_their_maximum():
     config = AppConfig.model_validate(app_args())
     cpu_group = worker_groups()["cpu-workers"]
     per_pod = float(cpu_group["rayStartParams"]["num-cpus"])
-    needed = config.ingress.num_cpus * config.ingress.num_replicas
+    needed = ingress_cpus(config, at_most=True)
     for name in DEFAULT_NAMES:
         settings = config.settings_for(name)
-        if settings.num_gpus:
+        if settings.num_gpus or config.placement_for(name, cluster_gpus=1) == "colocated":
             continue
         replicas = settings.autoscaling.max_replicas if settings.autoscaling else settings.num_replicas
         needed += settings.num_cpus * replicas

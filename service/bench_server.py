@@ -1,0 +1,122 @@
+"""The benchmark's handle on a real `mha-serving serve` process: started from an AppConfig, ready when
+/v2/health/ready answers 200, measured through /proc (RSS and PSS of its whole process tree), stopped with SIGTERM
+as a user would. Loopback only. No torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def descendants(pid: int) -> list[int]:
+    """`pid` and every process below it, from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        todo.extend(children.get(current, []))
+    return found
+
+
+def memory_kib(pid: int, field: str) -> int:
+    """A process's `Rss:` or `Pss:` from /proc/PID/smaps_rollup, in KiB (0 if it is gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+class ServerProcess:
+    """`with ServerProcess(config) as s:` runs `mha-serving serve --config <config>` on a free port."""
+
+    def __init__(self, config: dict, extra_args: list[str] | None = None, timeout_s: float = 180) -> None:
+        self.config, self.extra_args, self.timeout_s = config, extra_args or [], timeout_s
+        self.port, self.metrics_port = free_port(), free_port()
+        self.ready_s = float("nan")
+        self.stop_s = float("nan")
+        self._proc: subprocess.Popen | None = None
+        self._dir = tempfile.TemporaryDirectory(prefix="mha-bench-")
+
+    def __enter__(self) -> ServerProcess:
+        path = Path(self._dir.name) / "serve.yaml"
+        path.write_text(yaml.safe_dump(self.config))
+        cmd = [sys.executable, "-m", "service.cli", "serve", "--config", str(path), "--port", str(self.port)]
+        cmd += ["--metrics-port", str(self.metrics_port), *self.extra_args]
+        start = time.perf_counter()
+        log = open(Path(self._dir.name) / "serve.log", "w")
+        self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            self.wait_for_http(self.port, "/v2/health/ready", self.timeout_s, self._proc)
+        except Exception:
+            self.__exit__()
+            print((Path(self._dir.name) / "serve.log").read_text()[-3000:], file=sys.stderr)
+            raise
+        self.ready_s = time.perf_counter() - start
+        return self
+
+    @staticmethod
+    def wait_for_http(port: int, path: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"the server exited with status {proc.returncode} before it was ready")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"127.0.0.1:{port}{path} did not answer 200 within {timeout_s:g} s")
+
+    def process_count(self) -> int:
+        return len(descendants(self._proc.pid))
+
+    def rss_mib(self) -> dict[str, float]:
+        """Sum of RSS (shared pages counted in every process) and of PSS (shared pages split) over the tree."""
+        pids = descendants(self._proc.pid)
+        return {field: sum(memory_kib(p, field) for p in pids) / 1024 for field in ("Rss", "Pss")}
+
+    def __exit__(self, *exc) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            start = time.perf_counter()
+            self._proc.send_signal(signal.SIGTERM)
+            try:
+                self._proc.wait(30)
+                self.stop_s = time.perf_counter() - start
+            except subprocess.TimeoutExpired:
+                pass
+        if self._proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._proc.pid, signal.SIGKILL)  # whatever of its process group is left
+            self._proc.wait(10)
+        self._dir.cleanup()
