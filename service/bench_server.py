@@ -44,6 +44,12 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of one process so far, from /proc/PID/stat."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
+
+
 def memory_kib(pid: int, field: str) -> int:
     """A process's `Rss:` or `Pss:` from /proc/PID/smaps_rollup, in KiB (0 if it is gone)."""
     try:
@@ -97,6 +103,17 @@ class ServerProcess:
                 pass
             time.sleep(0.2)
         raise RuntimeError(f"127.0.0.1:{port}{path} did not answer 200 within {timeout_s:g} s")
+
+    def replica_pid(self, deployment: str) -> int:
+        """The PID of a Serve replica of `deployment` (e.g. "ingress") in this server's process tree."""
+        for pid in descendants(self._proc.pid):
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if "ServeReplica" in cmdline and cmdline.split(":")[-1].strip() == deployment:
+                return pid
+        raise RuntimeError(f"no replica of {deployment!r} among the server's processes")
 
     def process_count(self) -> int:
         return len(descendants(self._proc.pid))

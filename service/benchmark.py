@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -20,8 +21,9 @@ import numpy as np
 
 from export.metadata import MODEL_FILE, config_name
 from service.bench_client import LoadResult, load, post_bytes
-from service.bench_server import ServerProcess, free_port
+from service.bench_server import ServerProcess, cpu_seconds, free_port
 from service.runtime import load_runtime
+from service.stage_profile import stage_shares, table
 
 MODELS = {"small": (128, 4, 2), "default": (512, 8, 4)}  # d_model, heads, layers
 FIVE_HEADS = (1, 2, 4, 8, 16)  # the default head set (`make run`): d_model 512, 4 layers
@@ -80,18 +82,35 @@ def bare_ort(models_dir: Path, name: str, seconds: float) -> dict[str, float]:
     return out
 
 
-def measure(port: int, name: str, seconds: float, concurrency: int) -> dict[str, float]:
-    """c=1 p50 and c=`concurrency` throughput of one model over HTTP (v2 infer, 32 tokens)."""
+def measure(port: int, name: str, seconds: float, concurrency: int, profile_pid: int | None = None) -> dict:
+    """c=1 p50 and c=`concurrency` throughput of one model over HTTP (v2 infer, 32 tokens); with `profile_pid`,
+    that process's CPU per request by stage during the loaded phase."""
     requests = [post_bytes(f"/v2/models/{name}/infer", b) for b in request_bodies(64)]
     load(port, requests, 4, 1.0)  # warm up
     single: LoadResult = load(port, requests, 1, seconds)
+    spy, raw = None, Path(tempfile.mkdtemp(prefix="mha-profile-")) / "py-spy.txt"
+    if profile_pid is not None:
+        cmd = ["py-spy", "record", "-p", str(profile_pid), "-d", str(int(seconds)), "-r", "200", "-f", "raw"]
+        spy = subprocess.Popen(
+            [*cmd, "-o", str(raw), "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
+        cpu_before = cpu_seconds(profile_pid)
     loaded: LoadResult = load(port, requests, concurrency, seconds)
+    stages = {}
+    if spy is not None:
+        cpu_ms = (cpu_seconds(profile_pid) - cpu_before) * 1e3 / max(1, loaded.requests + loaded.errors)
+        _, err = spy.communicate(timeout=60)
+        if raw.is_file():
+            stages = {"cpu_ms_per_request": cpu_ms, "shares": stage_shares(raw.read_text())}
+        else:
+            print(f"py-spy failed: {err.decode(errors='replace').strip()[-300:]}", file=sys.stderr)
     return {
         "c1_p50_ms": single.percentile_ms(50),
         "rate": loaded.rate,
         "loaded_p50_ms": loaded.percentile_ms(50),
         "loaded_p99_ms": loaded.percentile_ms(99),
         "errors": single.errors + loaded.errors,
+        **({"stages": stages} if stages else {}),
     }
 
 
@@ -108,12 +127,13 @@ def serve_config(models_dir: Path, names: list[str], placement: str, args) -> di
 
 def served(models_dir: Path, names: dict[str, str], placement: str, args, measured: list[str] | None = None) -> dict:
     """One `mha-serving serve` with these models (label -> name), the `measured` ones (default: all) measured in
-    turn while the others idle; RSS and time to ready."""
+    turn while the others idle; RSS and time to ready; with --profile, the ingress's CPU by stage."""
     config = serve_config(models_dir, sorted(names.values()), placement, args)
     with ServerProcess(config, extra_args=["--proxy"] if args.proxy else []) as server:
         out: dict = {"ready_s": server.ready_s, "rss_mib": server.rss_mib(), "processes": server.process_count()}
+        pid = server.replica_pid("ingress") if args.profile else None
         for label in measured or list(names):
-            out[label] = measure(server.port, names[label], args.seconds, args.concurrency)
+            out[label] = measure(server.port, names[label], args.seconds, args.concurrency, pid)
     return out
 
 
@@ -173,6 +193,11 @@ def report(bare: dict, plain: dict, runs: dict[str, dict], summary: dict[str, fl
     for run_name, run in runs.items():
         rss = run["rss_mib"]
         print(f"{run_name:<34} {run['ready_s']:6.1f}s {run['processes']:>9} {rss['Rss']:6.0f}MiB {rss['Pss']:6.0f}MiB")
+    for run_name, run in runs.items():
+        for label, m in run.items():
+            if isinstance(m, dict) and "stages" in m:
+                print(f"\n{run_name}, {label} model, c={concurrency}: ingress CPU per request by stage (py-spy)")
+                print(table(m["stages"]["shares"], m["stages"]["cpu_ms_per_request"]))
     print("\nratios (bar in brackets):")
     for key, value in summary.items():
         sign = "<=" if key in AT_MOST else ">="
@@ -188,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, help="ORT intra-op threads per model (default: the server's)")
     p.add_argument("--spinning", type=lambda v: v.lower() in ("1", "true", "on"), help="ORT spinning on/off")
     p.add_argument("--proxy", action="store_true", help="through Serve's proxy instead of direct ingress")
+    p.add_argument("--profile", action="store_true", help="py-spy the ingress under load: CPU per request by stage")
     p.add_argument("--json", type=Path, help="also write every figure here")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="set for the servers (levers)")
     args = p.parse_args(argv)

@@ -60,8 +60,6 @@ class DeploymentSettings(BaseModel):
     def _check(self) -> DeploymentSettings:
         if self.autoscaling and self.autoscaling.min_replicas > self.autoscaling.max_replicas:
             raise ValueError("autoscaling.min_replicas must be <= autoscaling.max_replicas")
-        if self.placement == "colocated" and self.backend == "gpu":
-            raise ValueError("placement colocated runs on the ingress's CPU; a gpu backend needs placement deployment")
         return self
 
     def threads(self) -> int:

@@ -1,6 +1,6 @@
 """The load tester against the real service (two tiny models on the session's Ray Serve), run as a user runs it.
 
-Its application is its own (`/loadtest`), so Ray Serve's counters for it hold only the load tester's requests.
+Its application is its own (`/loadtest`), so the service's counters for it hold only the load tester's requests.
 """
 
 from __future__ import annotations
@@ -50,13 +50,13 @@ def loadtest(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
 
 
 def served_requests(metrics_url: str) -> Counter:
-    """Ray Serve's own count of predict requests per model deployment of our application (not the load tester's)."""
+    """The service's own count of answered predict requests per model of our application (not the load tester's)."""
     counts: Counter = Counter()
     for line in httpx.get(metrics_url, timeout=10).text.splitlines():
-        if line.startswith("ray_serve_deployment_request_counter_total{"):
+        if line.startswith("ray_mha_requests_total{"):
             labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
-            if labels.get("application") == APP and labels.get("route", "").endswith("/predict"):
-                counts[labels["deployment"]] += float(line.rsplit(" ", 1)[1])
+            if labels.get("application") == APP and labels.get("endpoint") == "v1_predict" and labels["code"] == "200":
+                counts[labels["model"]] += float(line.rsplit(" ", 1)[1])
     return counts
 
 
@@ -93,7 +93,7 @@ def test_report_numbers_match_what_the_service_counted(app, metrics_url, tmp_pat
         assert r["server"]["count"] == r["ok"], r["server"]
         assert 0 < r["server"]["p50"] <= r["server"]["p99"]
         assert 2.0 <= r["duration_s"] < 2.0 + 30  # bounded by --duration (plus the answers still in flight)
-    # an independent count: Serve's request counter for each model deployment, warm-up requests included
+    # an independent count: the service's request counter for each model, warm-up requests included
     expected = {m: sum(r["ok"] + r["warmup_ok"] for r in levels if r["model"] == m) for m in MODELS}
     after = wait_for_counts(metrics_url, {m: before[m] + n for m, n in expected.items()})
     assert {m: after[m] - before[m] for m in MODELS} == expected
