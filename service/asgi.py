@@ -5,11 +5,12 @@ and dependency resolution; every other route, and the OpenAPI document, is FastA
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from starlette.requests import Request
 
-from service.errors import BodyTooLargeError
+from service.errors import BodyTimeoutError, BodyTooLargeError
 from service.responses import error_response
 
 
@@ -40,14 +41,19 @@ def too_large(size: int, limit: int) -> BodyTooLargeError:
     return BodyTooLargeError(f"request body of {size} bytes is over the limit of {limit} bytes")
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The whole body, refused (413) as soon as more than `limit` bytes have arrived, chunked or not."""
+async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The whole body, refused as soon as more than `limit` bytes have arrived, chunked or not (413), or when it has
+    not all arrived within `timeout_s` (408: a slow client must not hold its slot for long)."""
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large(size, limit) from None
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large(size, limit) from None
+                chunks.append(chunk)
+    except TimeoutError:
+        raise BodyTimeoutError(f"the request body did not arrive within {timeout_s:g} s ({size} bytes read)") from None
     return b"".join(chunks)
 
 

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict
 from export.attention_map import AttentionMapError, AttentionModel
 from export.metadata import ATTENTION_MODEL_FILE, ModelMetadata
 from export.tokenizer import ByteTokenizer
-from service.errors import BadRequestError, ModelNotFoundError
+from service.errors import BadRequestError, ModelNotFoundError, NotReadyError
 from service.validation import texts_to_rows
 
 
@@ -32,10 +32,12 @@ class NoAttentionVariantError(ModelNotFoundError):
 
 @dataclass(frozen=True)
 class AttentionResult:
-    """What the replica answers: the weights (layers, h, T, T), or why it has none (errors cross Ray as values)."""
+    """What the engine answers: the weights (layers, h, T, T), or why it has none (errors cross Ray as values):
+    `missing` when the model was exported without the variant, else the variant is there but unusable."""
 
     weights: np.ndarray | None
     error: str = ""
+    missing: bool = True
 
 
 class AttentionVariant:
@@ -53,7 +55,15 @@ class AttentionVariant:
                 self._model = AttentionModel(self.folder, self.threads)
             return AttentionResult(self._model.weights(ids[0].tolist()))
         except AttentionMapError as exc:
-            return AttentionResult(None, str(exc))
+            missing = not (self.folder / ATTENTION_MODEL_FILE).is_file()
+            return AttentionResult(None, self._without_paths(str(exc)), missing)
+        except Exception as exc:  # ONNX Runtime cannot load or run the file (corrupt, truncated, wrong graph)
+            why = f"ONNX Runtime cannot use {ATTENTION_MODEL_FILE}: {type(exc).__name__}: {exc}"
+            return AttentionResult(None, self._without_paths(why), missing=False)
+
+    def _without_paths(self, message: str) -> str:
+        """Error text for a client: the server's folders replaced by the model's name."""
+        return message.replace(str(self.folder), self.folder.name).splitlines()[0]
 
 
 def decode(request: AttentionRequest, meta: ModelMetadata) -> tuple[np.ndarray, list[str]]:
@@ -67,6 +77,8 @@ def decode(request: AttentionRequest, meta: ModelMetadata) -> tuple[np.ndarray, 
 
 
 def response(request: AttentionRequest, meta: ModelMetadata, tokens: list[str], result: AttentionResult) -> dict:
+    if result.weights is None and not result.missing:
+        raise NotReadyError(f"the attention variant of model {meta.name!r} cannot be used: {result.error}")
     if result.weights is None:
         raise NoAttentionVariantError(
             f"model {meta.name!r} has no attention variant ({ATTENTION_MODEL_FILE}): export it with "

@@ -77,8 +77,13 @@ class IngressSettings(BaseModel):
     num_replicas: int = Field(1, ge=1, description="fixed replica count (ignored when autoscaling is set)")
     autoscaling: Autoscaling | None = None
     num_cpus: float = Field(0.0, ge=0, description="logical CPUs per replica: co-located models run on these")
-    max_ongoing_requests: int = Field(256, ge=1)
-    max_queued_requests: int = Field(512, ge=1)
+    max_ongoing_requests: int = Field(
+        2048,
+        ge=1,
+        description="Serve's own limit per replica, kept above limits.max_in_flight so that overload "
+        "gets the service's JSON 503 (with Retry-After, counted in the metrics), never Serve's plain-text one",
+    )
+    max_queued_requests: int = Field(2048, ge=1, description="requests Serve queues for a replica beyond that")
     coalesce: bool = Field(
         False,
         description="send each model's waiting requests as one Ray call (service/coalescer.py): much less CPU per "
@@ -93,6 +98,10 @@ class RequestLimits(BaseModel):
     model_config = ConfigDict(extra="forbid")
     max_body_bytes: int = Field(MAX_BODY_BYTES, ge=1024, description="larger bodies get 413")
     max_rows: int = Field(64, ge=1, description="sequences per request; more get 400")
+    body_timeout_s: float = Field(10.0, gt=0, description="the whole body must arrive within this; else 408")
+    max_in_flight: int = Field(
+        1024, ge=1, description="inference requests in progress per ingress replica, every model; more get 503"
+    )
 
 
 class AppConfig(BaseModel):
@@ -120,6 +129,15 @@ class AppConfig(BaseModel):
                 raise ValueError(
                     f"{where}: placement colocated runs on the ingress's CPU; backend gpu needs placement deployment"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _check_overload_order(self) -> AppConfig:
+        if self.limits.max_in_flight >= self.ingress.max_ongoing_requests:
+            raise ValueError(
+                f"limits.max_in_flight ({self.limits.max_in_flight}) must be below ingress.max_ongoing_requests "
+                f"({self.ingress.max_ongoing_requests}): past Serve's limit, overload gets Serve's plain-text 503"
+            )
         return self
 
     def settings_for(self, name: str) -> DeploymentSettings:

@@ -28,6 +28,15 @@ class BodyTooLargeError(ServiceError):
     status = 413
 
 
+class BodyTimeoutError(ServiceError):
+    """408: the request body did not arrive within the configured time (a slow or stalled client)."""
+
+    status = 408
+
+    def headers(self) -> dict[str, str]:
+        return {"Connection": "close"}  # the rest of the body may still be coming: do not read it as a request
+
+
 class ModelNotFoundError(ServiceError):
     """404: no model of that name is configured."""
 

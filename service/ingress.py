@@ -36,6 +36,7 @@ from service.protocol import simple, v2
 from service.responses import error_response, json_response
 
 BINARY_HEADER = "inference-header-content-length"
+CLIENT_CLOSED = 499  # nginx's code for a request whose client closed the connection first (metrics only)
 BodyT = TypeVar("BodyT", bound=BaseModel)
 
 
@@ -126,6 +127,7 @@ class Ingress:
             self._models[name] = Remote(name, handle, coalescer)
         self._models = dict(sorted(self._models.items()))
         self._ready: dict[str, ModelStatus] = {}  # name -> status of a loaded model (metadata never changes)
+        self._in_flight = 0  # inference requests in progress here, every model (limits.max_in_flight)
         self._metrics = IngressMetrics()
         self._gauge_refresher: asyncio.Task | None = None  # started on the replica's event loop by the first request
         app.state.max_body_bytes = config.limits.max_body_bytes
@@ -174,15 +176,25 @@ class Ingress:
         else:
             labels = model_labels(status.metadata, status.backend, name)
         self._metrics.started(labels)
+        self._in_flight += 1
         code, rejected = 500, False
         try:
+            if self._in_flight > self._config.limits.max_in_flight:
+                raise OverCapacityError(
+                    f"the server is over capacity ({self._config.limits.max_in_flight} inference requests in "
+                    "progress); retry later"
+                )
             response = await work(status)
             code = response.status_code
             return response
         except ServiceError as exc:
             code, rejected = exc.status, isinstance(exc, OverCapacityError)
             raise
+        except asyncio.CancelledError:  # the client went away before its answer: nobody saw a 500
+            code = CLIENT_CLOSED
+            raise
         finally:
+            self._in_flight -= 1
             self._metrics.finished(labels, endpoint, code, time.perf_counter() - start, rejected)
 
     async def _ready_model(self, name: str, status: ModelStatus | None = None) -> ModelStatus:
@@ -193,7 +205,8 @@ class Ingress:
         return status
 
     async def _body(self, request: Request, model: type[BodyT]) -> BodyT:
-        raw = await read_body(request, self._config.limits.max_body_bytes)
+        limits = self._config.limits
+        raw = await read_body(request, limits.max_body_bytes, limits.body_timeout_s)
         header = request.headers.get(BINARY_HEADER)
         if header is not None and header.strip() != str(len(raw)):
             raise BadRequestError("binary tensor data is not supported; send JSON tensor data (binary_data=False)")
@@ -284,9 +297,13 @@ class Ingress:
     @app.post("/v1/models/{name}/attention", openapi_extra=_openapi_body(attention_api.AttentionRequest))
     async def attention(self, name: str, request: Request) -> Response:
         """Per-layer, per-head attention weights of one text (from model.attn.onnx, opened on first use)."""
-        model = self._model(name)  # 404 before looking at the body
-        body = await self._body(request, attention_api.AttentionRequest)
-        meta: ModelMetadata = (await self._ready_model(name)).metadata
-        ids, tokens = attention_api.decode(body, meta)
-        result = await model.attention(ids)
-        return json_response(attention_api.response(body, meta, tokens, result))
+
+        async def work(status: ModelStatus | None) -> Response:
+            model = self._model(name)  # 404 before looking at the body
+            body = await self._body(request, attention_api.AttentionRequest)
+            meta: ModelMetadata = (await self._ready_model(name, status)).metadata
+            ids, tokens = attention_api.decode(body, meta)
+            result = await model.attention(ids)
+            return json_response(attention_api.response(body, meta, tokens, result))
+
+        return await self._measured("v1_attention", name, work)

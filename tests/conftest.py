@@ -90,7 +90,7 @@ def limited_service(request, serve_port, tiny_models_dir, tmp_path_factory):
 
     models = broken_models_dir(tmp_path_factory.mktemp("limited") / "models", tiny_models_dir / "mha-h2-d32")
     settings = {"num_cpus": 0.1, "max_ongoing_requests": 1, "max_queued_requests": 1, "batch_wait_timeout_s": 0.5}
-    limits = {"max_rows": 4, "max_body_bytes": 4096}
+    limits = {"max_rows": 4, "max_body_bytes": 4096, "body_timeout_s": 1.0}
     name = f"limited-{request.param}"
     return deploy(
         serve_port,

@@ -81,9 +81,11 @@ def stop_ray() -> None:
 
 
 def broken_models_dir(root: Path, good: Path) -> Path:
-    """A models folder with one good model and three that cannot serve: missing, corrupt, inconsistent."""
+    """A models folder with one good model (whose attention variant is corrupt) and three that cannot serve:
+    missing, corrupt, inconsistent."""
     root.mkdir(parents=True, exist_ok=True)
     shutil.copytree(good, root / good.name)
+    (root / good.name / "model.attn.onnx").write_bytes(b"not a graph")  # the good model's attention variant: corrupt
     (root / "mha-missing").mkdir()  # no model.onnx
     (root / "mha-corrupt").mkdir()
     (root / "mha-corrupt" / "model.onnx").write_bytes(b"this is not an ONNX protobuf")

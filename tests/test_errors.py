@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import onnxruntime as ort
 import pytest
 from serving import v2_tensor
@@ -190,3 +192,69 @@ def test_backend_gpu_without_one_fails_the_application_at_start_saying_why(serve
         assert "BackendError" in reason and "CPU-only package" in reason
     finally:
         serve.delete("gpu")
+
+
+def test_a_corrupt_attention_variant_is_a_503_that_says_why_without_server_paths(limited_service):
+    with limited_service.client() as c:
+        r = c.post("/v1/models/mha-h2-d32/attention", json={"text": "look"})
+        still = c.post(PREDICT, json={"text": "the model itself still serves"})
+    assert r.status_code == 503, r.text
+    error = r.json()["error"]
+    assert "attention variant of model 'mha-h2-d32' cannot be used" in error and "model.attn.onnx" in error
+    assert str(limited_service.models_dir) not in error and "/tmp" not in error
+    assert still.status_code == 200
+
+
+def _raw_post(base_url: str, path: str, head_extra: str, first: bytes) -> socket.socket:
+    """A POST whose headers and first body bytes are sent, the rest withheld."""
+    url = httpx.URL(base_url)
+    sock = socket.create_connection((url.host, url.port), timeout=10)
+    head = f"POST {url.path.rstrip('/')}{path} HTTP/1.1\r\nHost: {url.host}\r\nContent-Type: application/json\r\n"
+    sock.sendall((head + head_extra + "\r\n").encode() + first)
+    return sock
+
+
+def test_a_body_that_does_not_arrive_in_time_is_a_408_and_frees_its_slot(limited_service):
+    """limits.body_timeout_s is 1 s here: the client sends 1 byte of 200 and stalls."""
+    sock = _raw_post(limited_service.base_url, PREDICT, "Content-Length: 200\r\n", b"{")
+    start = time.perf_counter()
+    chunks = []
+    try:
+        while chunk := sock.recv(65536):  # the server closes the connection after a 408
+            chunks.append(chunk)
+    finally:
+        sock.close()
+    answer = b"".join(chunks).decode(errors="replace")
+    assert answer.startswith("HTTP/1.1 408"), answer
+    assert "did not arrive within 1 s" in answer and time.perf_counter() - start < 5
+    with limited_service.client() as c:
+        assert c.post(PREDICT, json={"text": "next client"}).status_code == 200
+
+
+def test_more_inference_requests_than_max_in_flight_get_a_quick_json_503_with_retry_after(serve_port, tiny_models_dir):
+    """limits.max_in_flight 2, a 0.5 s batch window: of 8 concurrent requests, those past 2 are refused at once."""
+    from ray import serve
+    from serving import deploy
+
+    settings = {"batch_wait_timeout_s": 0.5, "max_batch_size": 64}
+    served = deploy(
+        serve_port, "inflight", tiny_models_dir, models=["mha-h2-d32"], deployment=settings, limits={"max_in_flight": 2}
+    )
+    try:
+        with served.client() as c:
+            assert c.post(PREDICT, json={"text": "warm"}).status_code == 200
+
+        def call(_):
+            with served.client() as c:
+                start = time.perf_counter()
+                r = c.post(PREDICT, json={"text": "flood"})
+                return r, time.perf_counter() - start
+
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(call, range(8)))
+        refused = [(r, s) for r, s in results if r.status_code == 503]
+        assert refused and len(refused) + sum(r.status_code == 200 for r, _ in results) == 8
+        for r, seconds in refused:
+            assert "over capacity" in r.json()["error"] and r.headers["retry-after"] == "1" and seconds < 0.4
+    finally:
+        serve.delete("inflight")

@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import socket
 import subprocess
+import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -28,6 +30,7 @@ DASHBOARD = ROOT / "deploy" / "grafana" / "mha-serving.json"
 APP = "metrics"
 SEQUENTIAL = {"mha-h2-d32": 13, "mha-h4-d32": 7}  # requests sent one at a time (all succeed)
 BURST = 12  # concurrent requests at the slow, tiny-queue mha-h4-d32 deployment: some are rejected (503)
+GONE = 5  # requests to mha-h4-d32 whose client closes the connection before the answer: counted as 499, not 500
 
 
 def promtool() -> str:
@@ -69,10 +72,13 @@ def test_dashboard_queries_name_only_metrics_the_service_defines():
     assert names <= defined, f"dashboard names undefined metrics: {sorted(names - defined)}"
 
 
-@pytest.fixture(scope="module")
-def metrics_app(serve_port, tiny_models_dir):
+@pytest.fixture(scope="module", params=["colocated", "deployment"])
+def metrics_app(request, serve_port, tiny_models_dir):
+    """The metrics application, once per placement (metric names and labels must not depend on it)."""
     slow_and_small = {"num_cpus": 0.1, "max_ongoing_requests": 1, "max_queued_requests": 1, "batch_wait_timeout_s": 0.3}
-    return deploy(serve_port, APP, tiny_models_dir, overrides={"mha-h4-d32": slow_and_small})
+    slow_and_small["placement"] = request.param
+    app = f"{APP}-{request.param}"
+    return deploy(serve_port, app, tiny_models_dir, placement=request.param, overrides={"mha-h4-d32": slow_and_small})
 
 
 def send_sequential(base_url: str, sent: Counter) -> None:
@@ -96,9 +102,23 @@ def send_burst(base_url: str, sent: Counter) -> None:
             sent[("mha-h4-d32", str(code))] += 1
 
 
+def send_and_leave(base_url: str, sent: Counter) -> None:
+    """GONE requests to the slow mha-h4-d32, each closed by its client while its batch window is still open."""
+    url = httpx.URL(base_url)
+    body = json.dumps({"text": "never mind"}).encode()
+    head = f"POST {url.path.rstrip('/')}/v1/models/mha-h4-d32/predict HTTP/1.1\r\nHost: {url.host}\r\n"
+    head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    for _ in range(GONE):
+        with socket.create_connection((url.host, url.port), timeout=10) as sock:
+            sock.sendall(head.encode() + body)
+            time.sleep(0.1)  # in the 0.3 s batch window: no answer yet
+        time.sleep(0.5)  # the server notices the closed connection; the next one finds the queue empty
+        sent[("mha-h4-d32", "499")] += 1
+
+
 @pytest.mark.serve
 def test_prometheus_sees_latency_percentiles_and_exact_counts_per_head_configuration(metrics_app, metrics_port):
-    selector = f'application="{APP}"'
+    selector = f'application="{metrics_app.name}"'
     with PrometheusServer(f"127.0.0.1:{metrics_port}") as prom:  # scraping before, during and after the traffic
 
         def counts(result) -> dict:
@@ -111,8 +131,9 @@ def test_prometheus_sees_latency_percentiles_and_exact_counts_per_head_configura
         prom.wait_for(counts_query, lambda res: counts(res) == dict(sent), timeout_s=90)
         send_sequential(metrics_app.base_url, sent)
         send_burst(metrics_app.base_url, sent)
+        send_and_leave(metrics_app.base_url, sent)
         assert sent[("mha-h4-d32", "503")] > 0, f"the burst was not rejected at all: {sent}"
-        assert {code for _, code in sent} <= {"200", "503"}, sent
+        assert {code for _, code in sent} <= {"200", "499", "503"}, sent
         seen = prom.wait_for(counts_query, lambda res: counts(res) == dict(sent), timeout_s=90)
         assert counts(seen) == dict(sent)
 
