@@ -83,8 +83,8 @@ class ServerProcess:
         try:
             self.wait_for_http(self.port, "/v2/health/ready", self.timeout_s, self._proc)
         except Exception:
+            print(self.log()[-3000:], file=sys.stderr)
             self.__exit__()
-            print((Path(self._dir.name) / "serve.log").read_text()[-3000:], file=sys.stderr)
             raise
         self.ready_s = time.perf_counter() - start
         return self
@@ -123,15 +123,28 @@ class ServerProcess:
         pids = descendants(self._proc.pid)
         return {field: sum(memory_kib(p, field) for p in pids) / 1024 for field in ("Rss", "Pss")}
 
-    def __exit__(self, *exc) -> None:
+    def terminate(self, timeout_s: float = 30) -> float:
+        """SIGTERM to the server process, as `docker stop` sends it; seconds until it exited (nan past timeout_s)."""
         if self._proc is not None and self._proc.poll() is None:
             start = time.perf_counter()
             self._proc.send_signal(signal.SIGTERM)
             try:
-                self._proc.wait(30)
+                self._proc.wait(timeout_s)
                 self.stop_s = time.perf_counter() - start
             except subprocess.TimeoutExpired:
                 pass
+        return self.stop_s
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self._proc is None else self._proc.poll()
+
+    def log(self) -> str:
+        path = Path(self._dir.name) / "serve.log"
+        return path.read_text(errors="replace") if path.is_file() else ""
+
+    def __exit__(self, *exc) -> None:
+        self.terminate()
         if self._proc is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self._proc.pid, signal.SIGKILL)  # whatever of its process group is left

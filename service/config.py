@@ -99,6 +99,9 @@ class RequestLimits(BaseModel):
     max_body_bytes: int = Field(MAX_BODY_BYTES, ge=1024, description="larger bodies get 413")
     max_rows: int = Field(64, ge=1, description="sequences per request; more get 400")
     body_timeout_s: float = Field(10.0, gt=0, description="the whole body must arrive within this; else 408")
+    drain_s: float = Field(
+        8.0, ge=0, description="on SIGTERM: readiness 503 at once, requests in progress get this long to finish"
+    )
     max_in_flight: int = Field(
         1024, ge=1, description="inference requests in progress per ingress replica, every model; more get 503"
     )

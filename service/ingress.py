@@ -128,6 +128,7 @@ class Ingress:
         self._models = dict(sorted(self._models.items()))
         self._ready: dict[str, ModelStatus] = {}  # name -> status of a loaded model (metadata never changes)
         self._in_flight = 0  # inference requests in progress here, every model (limits.max_in_flight)
+        self._draining = False  # set by `drain` on SIGTERM: readiness answers 503 from then on
         self._metrics = IngressMetrics()
         self._gauge_refresher: asyncio.Task | None = None  # started on the replica's event loop by the first request
         app.state.max_body_bytes = config.limits.max_body_bytes
@@ -224,8 +225,19 @@ class Ingress:
     async def live(self) -> Response:
         return json_response({"live": True})
 
+    def drain(self) -> int:
+        """Readiness answers 503 from now on (a load balancer stops sending); requests keep being served. Returns
+        the inference requests in progress (the launcher waits for them, up to limits.drain_s)."""
+        self._draining = True
+        return self._in_flight
+
+    def in_flight(self) -> int:
+        return self._in_flight
+
     @app.get("/v2/health/ready")
     async def ready(self) -> Response:
+        if self._draining:
+            return json_response({"ready": False, "error": "shutting down"}, 503)
         statuses = await asyncio.gather(*(self._status(n, live=True) for n in self._models))
         waiting = {s.name: s.reason for s in statuses if not s.ready}
         if waiting:

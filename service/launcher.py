@@ -18,6 +18,7 @@ import yaml
 from pydantic import ValidationError
 
 from service.config import AppConfig
+from service.drain import drain, stop_ray
 from service.errors import ModelFileError
 from service.model_store import find_models
 
@@ -223,8 +224,12 @@ def main(argv: list[str] | None = None) -> int:
         report(args)
         while True:
             time.sleep(3600)
-    except KeyboardInterrupt:
-        print("\nmha-serving: shutting down...", file=sys.stderr)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM, maybe while still starting: the ingress may already be serving
+        if ray_started():
+            print(f"\nmha-serving: draining (up to {config.limits.drain_s:g} s)...", file=sys.stderr, flush=True)
+            left, waited = drain(APP_NAME, config.limits.drain_s)
+            unfinished = f", {left} request(s) unfinished" if left > 0 else ""
+            print(f"mha-serving: drained in {waited:.1f} s{unfinished}; shutting down", file=sys.stderr, flush=True)
         return 0
     except RuntimeError as exc:  # Serve's deploy failure: a replica raised at start (e.g. backend gpu without one)
         print(f"mha-serving serve: the application failed to start: {_first_reason(exc)}", file=sys.stderr)
@@ -258,15 +263,15 @@ def _first_reason(exc: Exception) -> str:
     return lines[0] if lines else type(exc).__name__
 
 
-def shutdown() -> None:
+def ray_started() -> bool:
     import ray
-    from ray import serve
 
-    if ray.is_initialized():
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
+    return ray.is_initialized()
+
+
+def shutdown() -> None:
+    """Ray goes down with Serve in it: after `drain`, nothing is left that Serve's own slower shutdown would save."""
+    stop_ray()
 
 
 if __name__ == "__main__":
