@@ -162,26 +162,33 @@ BAR = {
 AT_MOST = {"small_c1_over_bare_ms", "default_c1_over_bare_ms", "five_c1_p50_over_alone", "five_pss_mib", "five_ready_s"}
 
 
-def ratios(bare: dict, plain: dict, colocated: dict, alone: dict, five: dict) -> dict[str, float]:
-    s, d = colocated["small"], colocated["default"]
-    return {
-        "small_c32_over_plain": s["rate"] / plain["rate"],
-        "default_c32_over_batched_ort": d["rate"] / bare["default"]["best_rate"],
-        "small_c1_over_bare_ms": s["c1_p50_ms"] - bare["small"]["p50_ms"],
-        "default_c1_over_bare_ms": d["c1_p50_ms"] - bare["default"]["p50_ms"],
-        "five_c1_p50_over_alone": five["busy"]["c1_p50_ms"] / alone["default"]["c1_p50_ms"],
-        "five_c32_over_alone": five["busy"]["rate"] / alone["default"]["rate"],
-        "five_pss_mib": five["rss_mib"]["Pss"],
-        "five_ready_s": five["ready_s"],
-    }
+def ratios(bare: dict, plain: dict | None, runs: dict[str, dict]) -> dict[str, float]:
+    """The bar's figures, from whichever scenarios ran."""
+    out: dict[str, float] = {}
+    colocated = runs.get("serve (colocated)")
+    if colocated is not None:
+        s, d = colocated["small"], colocated["default"]
+        if plain is not None:
+            out["small_c32_over_plain"] = s["rate"] / plain["rate"]
+        out["default_c32_over_batched_ort"] = d["rate"] / bare["default"]["best_rate"]
+        out["small_c1_over_bare_ms"] = s["c1_p50_ms"] - bare["small"]["p50_ms"]
+        out["default_c1_over_bare_ms"] = d["c1_p50_ms"] - bare["default"]["p50_ms"]
+    alone, five = runs.get("serve (default model alone)"), runs.get("serve (five default models)")
+    if alone is not None and five is not None:
+        out["five_c1_p50_over_alone"] = five["busy"]["c1_p50_ms"] / alone["default"]["c1_p50_ms"]
+        out["five_c32_over_alone"] = five["busy"]["rate"] / alone["default"]["rate"]
+        out["five_pss_mib"] = five["rss_mib"]["Pss"]
+        out["five_ready_s"] = five["ready_s"]
+    return out
 
 
-def report(bare: dict, plain: dict, runs: dict[str, dict], summary: dict[str, float], concurrency: int) -> None:
+def report(bare: dict, plain: dict | None, runs: dict[str, dict], summary: dict[str, float], concurrency: int) -> None:
     print(f"\n{'server':<34} {'model':<8} {'c=1 p50':>9} {f'c={concurrency}':>11} {'p99':>9}  errors")
     for label in ("small", "default"):
         b = bare[label]
         print(f"{'bare ORT (b1 p50 / best batch)':<34} {label:<8} {b['p50_ms']:7.2f}ms {b['best_rate']:7.0f} seq/s")
-    print(f"{'plain FastAPI + ORT':<34} {'small':<8} {plain['c1_p50_ms']:7.2f}ms {plain['rate']:7.0f} req/s")
+    if plain is not None:
+        print(f"{'plain FastAPI + ORT':<34} {'small':<8} {plain['c1_p50_ms']:7.2f}ms {plain['rate']:7.0f} req/s")
     for run_name, run in runs.items():
         for label, m in run.items():
             if isinstance(m, dict) and "rate" in m:
@@ -214,6 +221,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--spinning", type=lambda v: v.lower() in ("1", "true", "on"), help="ORT spinning on/off")
     p.add_argument("--proxy", action="store_true", help="through Serve's proxy instead of direct ingress")
     p.add_argument("--profile", action="store_true", help="py-spy the ingress under load: CPU per request by stage")
+    p.add_argument(
+        "--scenarios",
+        type=lambda v: set(v.split(",")),
+        default={"plain", "colocated", "deployment", "five"},
+        help="which servers to measure besides bare ORT (default: plain,colocated,deployment,five)",
+    )
     p.add_argument("--json", type=Path, help="also write every figure here")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="set for the servers (levers)")
     args = p.parse_args(argv)
@@ -224,18 +237,20 @@ def main(argv: list[str] | None = None) -> int:
     five = [ensure_model(args.models, h, 512, 4) for h in FIVE_HEADS]
     print(f"bare ORT ({TOKENS} tokens per sequence)...", flush=True)
     bare = {label: bare_ort(args.models, name, args.seconds) for label, name in names.items()}
-    print("plain FastAPI + ORT...", flush=True)
-    plain = plain_fastapi(args.models, names["small"], args)
-    runs = {}
+    plain, runs = None, {}
+    if "plain" in args.scenarios:
+        print("plain FastAPI + ORT...", flush=True)
+        plain = plain_fastapi(args.models, names["small"], args)
     for placement in ("colocated", "deployment"):
-        print(f"mha-serving serve, placement {placement}...", flush=True)
-        runs[f"serve ({placement})"] = served(args.models, names, placement, args)
-    print("mha-serving serve, the default model alone, then with the four other default models...", flush=True)
-    runs["serve (default model alone)"] = served(args.models, {"default": names["default"]}, "colocated", args)
-    together = {"busy": names["default"], **{f"idle-{i}": n for i, n in enumerate(five) if n != names["default"]}}
-    runs["serve (five default models)"] = served(args.models, together, "colocated", args, measured=["busy"])
-    alone, with_five = runs["serve (default model alone)"], runs["serve (five default models)"]
-    summary = ratios(bare, plain, runs["serve (colocated)"], alone, with_five)
+        if placement in args.scenarios:
+            print(f"mha-serving serve, placement {placement}...", flush=True)
+            runs[f"serve ({placement})"] = served(args.models, names, placement, args)
+    if "five" in args.scenarios:
+        print("mha-serving serve, the default model alone, then with the four other default models...", flush=True)
+        runs["serve (default model alone)"] = served(args.models, {"default": names["default"]}, "colocated", args)
+        together = {"busy": names["default"], **{f"idle-{i}": n for i, n in enumerate(five) if n != names["default"]}}
+        runs["serve (five default models)"] = served(args.models, together, "colocated", args, measured=["busy"])
+    summary = ratios(bare, plain, runs)
     report(bare, plain, runs, summary, args.concurrency)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
