@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,19 @@ def resolve_head_dim(d_model: int, heads: int, head_dim: int | None) -> int:
             f"{heads * math.ceil(d_model / heads)} is projected back to d_model)"
         )
     return d_model // heads
+
+
+def attention_mask(
+    key_padding_mask: torch.Tensor | None, T: int, causal: bool, device: torch.device
+) -> torch.Tensor | None:
+    """The boolean mask SDPA takes (True = attend) from a (B, T) padding mask (1 = token) and causality, or None."""
+    mask = None
+    if key_padding_mask is not None:
+        mask = key_padding_mask.to(torch.bool)[:, None, None, :]  # (B, 1, 1, T)
+    if causal:
+        tril = torch.ones(T, T, dtype=torch.bool, device=device).tril()[None, None]  # (1, 1, T, T)
+        mask = tril if mask is None else mask & tril
+    return mask
 
 
 class MultiHeadAttention(nn.Module):
@@ -53,6 +67,7 @@ class MultiHeadAttention(nn.Module):
         self.causal = causal
         self.qkv = nn.Linear(d_model, 3 * self.inner_dim, bias=bias)  # fused: [q; k; v] like nn.MultiheadAttention
         self.out = nn.Linear(self.inner_dim, d_model, bias=bias)
+        self.export_kernel: Callable[..., torch.Tensor] | None = None  # set while exporting (export/fused_attention.py)
 
     def forward(
         self,
@@ -60,12 +75,15 @@ class MultiHeadAttention(nn.Module):
         key_padding_mask: torch.Tensor | None = None,
         need_weights: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.export_kernel is not None and not need_weights:  # one fused node in the exported graph
+            y = self.export_kernel(x, self.qkv.weight, self.qkv.bias, key_padding_mask, self.h, self.causal)
+            return self.out(y), None  # y: (B, T, h*hs)
         B, T, _ = x.shape
         q, k, v = self.qkv(x).split(self.inner_dim, dim=2)  # 3 x (B, T, h*hs)
         q = q.view(B, T, self.h, self.head_dim).transpose(1, 2)  # (B, h, T, hs)
         k = k.view(B, T, self.h, self.head_dim).transpose(1, 2)  # (B, h, T, hs)
         v = v.view(B, T, self.h, self.head_dim).transpose(1, 2)  # (B, h, T, hs)
-        mask = self._attention_mask(key_padding_mask, T, x.device)  # (B or 1, 1, T or 1, T) bool, True = attend
+        mask = attention_mask(key_padding_mask, T, self.causal, x.device)  # (B or 1, 1, T or 1, T), True = attend
         p = self.dropout if self.training else 0.0
         if need_weights:
             y, weights = self._manual_attention(q, k, v, mask, p)
@@ -74,15 +92,6 @@ class MultiHeadAttention(nn.Module):
             weights = None
         y = y.transpose(1, 2).reshape(B, T, self.inner_dim)  # (B, T, h*hs)
         return self.out(y), weights
-
-    def _attention_mask(self, key_padding_mask: torch.Tensor | None, T: int, device: torch.device):
-        mask = None
-        if key_padding_mask is not None:
-            mask = key_padding_mask.to(torch.bool)[:, None, None, :]  # (B, 1, 1, T)
-        if self.causal:
-            causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()[None, None]  # (1, 1, T, T)
-            mask = causal if mask is None else mask & causal
-        return mask
 
     def _manual_attention(self, q, k, v, mask, p: float) -> tuple[torch.Tensor, torch.Tensor]:
         """The readable path: softmax(q k^T / sqrt(hs)) v, returning the weights (B, h, T, T) as well."""

@@ -11,14 +11,14 @@ import shutil
 import tempfile
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import onnx
 import torch
 from torch import nn
 
-from export import parity
+from export import fused_attention, parity
 from export.metadata import (
     ATTENTION_MASK,
     ATTENTION_MODEL_FILE,
@@ -87,15 +87,16 @@ def quiet_torch():
             logger.setLevel(level)
 
 
-def _to_onnx(module: nn.Module, meta: ModelMetadata, path: Path, output_names: list[str]) -> None:
+def _to_onnx(module: nn.Module, meta: ModelMetadata, path: Path, output_names: list[str], fuse: bool = False) -> None:
     trace_seq = max(2, min(TRACE_SEQ, meta.max_len))  # 0/1-sized dims would be specialised by torch.export
     batch = torch.export.Dim("batch", min=1, max=65536)
     seq = torch.export.Dim("seq", min=1, max=max(meta.max_len, trace_seq))
     low = min(4, meta.vocab_size - 1)  # past the byte tokenizer's special ids when the vocabulary has them
     ids = torch.randint(low, meta.vocab_size, (TRACE_BATCH, trace_seq), dtype=torch.int64)
     mask = torch.ones(TRACE_BATCH, trace_seq, dtype=torch.int64)
+    fused = fused_attention.fused_layers(module) if fuse else contextlib.nullcontext()
     try:
-        with quiet_torch(), torch.no_grad():
+        with quiet_torch(), torch.no_grad(), fused:
             program = torch.onnx.export(
                 module,
                 (ids, mask),
@@ -106,6 +107,7 @@ def _to_onnx(module: nn.Module, meta: ModelMetadata, path: Path, output_names: l
                 opset_version=DEFAULT_ONNX_OPSET,
                 optimize=True,
                 verbose=False,
+                custom_translation_table=fused_attention.translation_table() if fuse else None,
             )
             if program is None:
                 raise ExportError("torch.onnx.export returned nothing")
@@ -114,7 +116,8 @@ def _to_onnx(module: nn.Module, meta: ModelMetadata, path: Path, output_names: l
         raise ExportError(f"torch.onnx.export failed for {meta.name}: {one_line(exc)}") from exc
 
 
-def _write_metadata(path: Path, meta: ModelMetadata, expected_outputs: list[str]) -> None:
+def _write_metadata(path: Path, meta: ModelMetadata, expected_outputs: list[str]) -> ModelMetadata:
+    """Check the file's inputs and outputs, write `meta` with the graph's attention kernel into it; return that."""
     model = onnx.load(str(path))
     inputs = [i.name for i in model.graph.input]
     outputs = [o.name for o in model.graph.output]
@@ -123,6 +126,7 @@ def _write_metadata(path: Path, meta: ModelMetadata, expected_outputs: list[str]
             f"model does not follow the contract: inputs {inputs} (want {[INPUT_IDS, ATTENTION_MASK]}), "
             f"outputs {outputs} (want {expected_outputs})"
         )
+    meta = replace(meta, attention_kernel=fused_attention.kernel_of(model))
     del model.metadata_props[:]
     for key, value in meta.to_props().items():
         model.metadata_props.add(key=key, value=value)
@@ -135,6 +139,7 @@ def _write_metadata(path: Path, meta: ModelMetadata, expected_outputs: list[str]
         onnx.checker.check_model(str(path), full_check=True)
     except onnx.checker.ValidationError as exc:
         raise ExportError(f"onnx.checker rejected {path.name}: {one_line(exc)}") from exc
+    return meta
 
 
 def export_model(
@@ -145,8 +150,12 @@ def export_model(
     attention_variant: nn.Module | None = None,
     atol: float = 1e-4,
     overwrite: bool = True,
+    fuse_attention: bool = True,
 ) -> ExportResult:
     """Export `model` to `out_dir/<meta.name>/` (model.onnx, config.json; model.attn.onnx with a variant).
+
+    model.onnx runs attention as one fused node per layer (export/fused_attention.py); `fuse_attention=False` exports
+    it unfused, as before (the kernel benchmark's baseline). The metadata's attention_kernel says which.
 
     Everything is built in a temporary folder beside the target and moved into place only after the parity gate
     passes, so a failed export never leaves a half-written model folder behind.
@@ -164,13 +173,13 @@ def export_model(
         raise ExportError(f"cannot write to output folder {out_dir}: {exc.strerror or exc}") from exc
     try:
         model = model.eval()
-        _to_onnx(model, meta, staging / MODEL_FILE, [LOGITS])
-        _write_metadata(staging / MODEL_FILE, meta, [LOGITS])
+        _to_onnx(model, meta, staging / MODEL_FILE, [LOGITS], fuse=fuse_attention)
+        meta = _write_metadata(staging / MODEL_FILE, meta, [LOGITS])
         max_diff = parity.check(model, staging / MODEL_FILE, meta, atol=atol)
         if attention_variant is not None:
             attention_variant = attention_variant.eval()
             _to_onnx(attention_variant, meta, staging / ATTENTION_MODEL_FILE, [LOGITS, ATTENTION_WEIGHTS])
-            _write_metadata(staging / ATTENTION_MODEL_FILE, meta, [LOGITS, ATTENTION_WEIGHTS])
+            _write_metadata(staging / ATTENTION_MODEL_FILE, meta, [LOGITS, ATTENTION_WEIGHTS])  # records "unfused"
             max_diff = max(max_diff, parity.check(attention_variant, staging / ATTENTION_MODEL_FILE, meta, atol=atol))
         params = sum(p.numel() for p in model.parameters())
         (staging / CONFIG_FILE).write_text(json.dumps({**meta.to_json(), "params": params}, indent=2) + "\n")

@@ -19,7 +19,7 @@ ATTENTION_WEIGHTS = "attention_weights"  # only in the attention variant of a mo
 MODEL_FILE = "model.onnx"
 ATTENTION_MODEL_FILE = "model.attn.onnx"
 CONFIG_FILE = "config.json"
-_OPTIONAL_KEYS = ("tokenizer", "ff_dim", "task", "exporter")  # have defaults; every other key is required
+_OPTIONAL_KEYS = ("tokenizer", "ff_dim", "task", "exporter", "attention_kernel")  # have defaults; others are required
 
 
 class MetadataError(ValueError):
@@ -56,6 +56,7 @@ class ModelMetadata:
     ff_dim: int = 0  # 0: unknown (a user's own model)
     task: str = ""
     exporter: dict[str, str] = field(default_factory=dict)  # versions: torch, onnx, opset, mha_serving
+    attention_kernel: str = ""  # what runs attention in the graph (export/fused_attention.py); "": not recorded
 
     def __post_init__(self) -> None:
         problems = []

@@ -60,8 +60,9 @@ class PerToken(nn.Module):
 
 class DataDependent(PerToken):
     def forward(self, input_ids, attention_mask):
-        n = int(attention_mask.sum())  # torch.export cannot trace this; it prints the graph to stderr when it fails
-        x, _ = self.attn(self.emb(input_ids[:, :n]))
+        x, _ = self.attn(self.emb(input_ids), attention_mask)
+        if attention_mask.sum() > 3:  # torch.export cannot trace this; it prints the graph to stderr when it fails
+            x = -x
         return self.head(x.mean(dim=1))
 
 
