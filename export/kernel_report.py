@@ -1,0 +1,104 @@
+"""What the kernel benchmark writes: a Markdown table, the bar's ratios, CSV, JSON and one plot (GFLOP/s per h)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from export.kernel_bench import Timing
+
+CSV_FILE, JSON_FILE, PLOT_FILE = "kernel_bench.csv", "kernel_bench.json", "kernel_bench.png"
+LABELS = {"torch": "torch eager", "ort-unfused": "ORT, unfused graph", "ort-fused": "ORT, fused attention"}
+
+
+def table(timings: list[Timing]) -> str:
+    """One Markdown row per head count and shape; speed ratios are latency ratios (above 1: fused is faster)."""
+    index = {(t.heads, t.batch, t.tokens, t.runner): t for t in timings}
+    lines = [
+        "| h | batch x tokens | torch ms | ORT unfused ms | ORT fused ms | fused GFLOP/s | fused vs torch "
+        "| fused vs unfused |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for t in timings:
+        if t.runner != "ort-fused":
+            continue
+        eager, unfused = index[t.heads, t.batch, t.tokens, "torch"], index[t.heads, t.batch, t.tokens, "ort-unfused"]
+        lines.append(
+            f"| {t.heads} | {t.batch} x {t.tokens} | {eager.ms:.1f} | {unfused.ms:.1f} | {t.ms:.1f} | {t.gflops:.0f} "
+            f"| {eager.ms / t.ms:.2f}x | {unfused.ms / t.ms:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+def _num(value: float, unit: str = "x") -> str:
+    return "n/a" if math.isnan(value) else f"{value:.2f}{unit}"
+
+
+def ratios(summary: dict) -> str:
+    """The bar's ratios as lines of text, each bar item with its verdict."""
+    h16 = summary["h16_over_h1_8x512"]
+    lines = [
+        f"GEMM peak {summary['gemm_peak_gflops']:.0f} GFLOP/s; best fused shape {summary['best_fused']['shape']}: "
+        f"{summary['best_fused']['gflops']:.0f} GFLOP/s = {_num(summary['best_fused_vs_peak'], '')} of peak",
+        f"ORT fused vs torch (h 1, 8, 16): min {_num(summary['fused_vs_torch_min'])}, "
+        f"geometric mean {_num(summary['fused_vs_torch_geomean'])} "
+        f"(unfused: {_num(summary['unfused_vs_torch_geomean'])}); "
+        f"fused vs unfused, all h: {_num(summary['fused_vs_unfused_geomean'])}",
+        "8x512 latency, h=16 / h=1: " + ", ".join(f"{name} {_num(value)}" for name, value in h16.items()),
+    ]
+    lines += [f"  [{'met' if ok else 'NOT met'}] {item}" for item, ok in summary["bar"].items()]
+    return "\n".join(lines)
+
+
+def write(out: Path, config: dict, machine: dict, timings: list[Timing], summary: dict) -> list[Path]:
+    """kernel_bench.csv, .json and .png in `out` (created); returns their paths."""
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [asdict(t) for t in timings]
+    with (out / CSV_FILE).open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    record = {"config": config, "machine": machine, "summary": summary, "timings": rows}
+    (out / JSON_FILE).write_text(json.dumps(record, indent=2, default=str) + "\n")
+    title = f"Forward pass GFLOP/s per head count (d_model {config['d_model']}, {config['layers']} layers)"
+    plot(timings, summary["gemm_peak_gflops"], out / PLOT_FILE, title)
+    return [out / CSV_FILE, out / JSON_FILE, out / PLOT_FILE]
+
+
+def plot(timings: list[Timing], peak: float, path: Path, title: str) -> None:
+    """One panel per batch x tokens shape: GFLOP/s against h for each runner, the GEMM peak as a dashed line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches, tokens = sorted({t.batch for t in timings}), sorted({t.tokens for t in timings})
+    heads = sorted({t.heads for t in timings})
+    size = (3.4 * len(tokens), 2.6 * len(batches))
+    fig, axes = plt.subplots(len(batches), len(tokens), figsize=size, sharex=True, sharey=True, squeeze=False)
+    for i, batch in enumerate(batches):
+        for j, seq in enumerate(tokens):
+            ax = axes[i][j]
+            for runner, label in LABELS.items():
+                shape = (batch, seq, runner)
+                points = sorted((t.heads, t.gflops) for t in timings if (t.batch, t.tokens, t.runner) == shape)
+                ax.plot([h for h, _ in points], [g for _, g in points], marker="o", label=label)
+            ax.axhline(peak, color="grey", linestyle="--", linewidth=1, label="fp32 GEMM peak")
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(heads, labels=[str(h) for h in heads], minor=False)
+            ax.minorticks_off()
+            ax.set_title(f"batch {batch} x {seq} tokens", fontsize=9)
+            ax.set_ylim(bottom=0)
+            ax.set_xlabel("heads h")
+            ax.set_ylabel("GFLOP/s")
+            ax.label_outer()
+    fig.legend(*axes[0][0].get_legend_handles_labels(), loc="lower center", ncol=len(LABELS) + 1, fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))  # room for the legend below the panels
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
