@@ -31,6 +31,7 @@ RUNNERS = ("torch", "ort-unfused", "ort-fused")  # torch eager; today's graph an
 BAR_HEADS = (1, 8, 16)  # the head counts the bar's per-shape and geometric-mean ratios are taken over
 GEMM_SHAPES = ((2048, 2048, 2048), (4096, 512, 2048), (4096, 2048, 512))  # (M, K, N): square, and the model's MLP
 SAMPLE_S, SAMPLE_CALLS = 0.05, 100  # a timed sample repeats a short call to last about 50 ms (at most 100 calls)
+SETTLE_S = 0.1  # pause before a sample: ORT's idle threads spin for a while and slowed the next runner down
 OUT = Path("runs/kernel-bench")
 
 
@@ -85,8 +86,11 @@ def gemm_peak(threads: int, repeats: int = 5) -> float:
     return best
 
 
-def time_interleaved(calls: dict[str, Callable[..., object]], args: tuple, repeats: int) -> dict[str, float]:
-    """Median ms of each `call(*args)`; samples taken round-robin so that all calls share the machine's noise."""
+def time_interleaved(
+    calls: dict[str, Callable[..., object]], args: tuple, repeats: int, settle_s: float = SETTLE_S
+) -> dict[str, float]:
+    """Median ms of each `call(*args)`. Samples go round-robin, so that all calls share the machine's drift; each
+    starts after a pause and one untimed call, so that no call pays for the still-spinning threads of the last."""
     warm = []
     for call in calls.values():
         start = time.perf_counter()
@@ -96,6 +100,8 @@ def time_interleaved(calls: dict[str, Callable[..., object]], args: tuple, repea
     samples: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(repeats):
         for name, call in calls.items():
+            time.sleep(settle_s)
+            call(*args)  # untimed: wakes this runner's threads
             start = time.perf_counter()
             for _ in range(per_sample):
                 call(*args)
