@@ -43,19 +43,20 @@ def _meta(path) -> ModelMetadata:
 
 
 class HeadSweep(nn.Module):
-    """One attention layer per h = 1..16 side by side on the same input; logits = each layer's masked mean, so
-    columns [d (h-1), d h) belong to h. Default nn.Linear init: attention moves the output by O(1)."""
+    """One attention layer per h = 1..16 side by side on the same input, then a causal one (h = 4); logits = each
+    layer's masked mean, so columns [d (i-1), d i) belong to layer i. Default nn.Linear init: outputs are O(1)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.emb = nn.Embedding(260, SWEEP_D)
-        self.layers = nn.ModuleList(MultiHeadAttention(SWEEP_D, h, head_dim=SWEEP_HEAD_DIM) for h in ALL_HEADS)
+        layers = [MultiHeadAttention(SWEEP_D, h, head_dim=SWEEP_HEAD_DIM) for h in ALL_HEADS]
+        self.layers = nn.ModuleList([*layers, MultiHeadAttention(SWEEP_D, 4, head_dim=SWEEP_HEAD_DIM, causal=True)])
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         x = self.emb(input_ids)  # (B, T, d)
         m = attention_mask.to(x.dtype)[:, :, None]  # (B, T, 1)
         pooled = [(layer(x, attention_mask)[0] * m).sum(dim=1) / m.sum(dim=1) for layer in self.layers]  # (B, d)
-        return torch.cat(pooled, dim=1)  # (B, 16 * d)
+        return torch.cat(pooled, dim=1)  # (B, 17 * d)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +64,7 @@ def head_sweep(tmp_path_factory):
     """The HeadSweep model and an ORT session of its fused export (which passed the parity gate)."""
     torch.manual_seed(0)
     model = HeadSweep().eval()
-    classes = len(ALL_HEADS) * SWEEP_D
+    classes = (len(ALL_HEADS) + 1) * SWEEP_D
     labels = tuple(f"c{i}" for i in range(classes))
     meta = ModelMetadata("heads-1-16", 16, SWEEP_HEAD_DIM, SWEEP_D, 16, 260, SWEEP_LEN, classes, labels)
     path = export_model(model, meta, tmp_path_factory.mktemp("sweep")).folder / MODEL_FILE
@@ -74,18 +75,20 @@ def test_every_head_count_is_one_fused_node_with_its_own_num_heads(head_sweep):
     _, path, _ = head_sweep
     nodes = [n for n in _graph(path).node if n.op_type == "Attention"]
     assert all(n.domain == "com.microsoft" for n in nodes)
-    heads = sorted(onnx.helper.get_attribute_value(a) for n in nodes for a in n.attribute if a.name == "num_heads")
-    assert heads == ALL_HEADS
+    attributes = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute} for n in nodes]
+    assert sorted(a["num_heads"] for a in attributes) == sorted([*ALL_HEADS, 4])
+    assert [a.get("unidirectional", 0) for a in attributes].count(1) == 1  # the causal layer
     assert not any(n.op_type == "Softmax" for n in _graph(path).node)
     assert _meta(path).attention_kernel == FUSED_KERNEL
 
 
-@pytest.mark.parametrize("h", ALL_HEADS)
+@pytest.mark.parametrize("h", [*ALL_HEADS, "causal h=4"])
 def test_fused_graph_matches_torch_on_padded_rows_for_every_head_count(head_sweep, h):
     model, _, session = head_sweep
-    columns = slice(SWEEP_D * (h - 1), SWEEP_D * h)
+    layer = len(ALL_HEADS) + 1 if isinstance(h, str) else h
+    columns = slice(SWEEP_D * (layer - 1), SWEEP_D * layer)
     for batch, seq in [(1, 1), (5, 7), (6, SWEEP_LEN)]:
-        ids, mask = _padded(batch, seq, 260, seed=h + seq)
+        ids, mask = _padded(batch, seq, 260, seed=layer + seq)
         (got,) = session.run(None, {"input_ids": ids, "attention_mask": mask})
         with torch.no_grad():
             want = model(torch.from_numpy(ids), torch.from_numpy(mask)).numpy()
