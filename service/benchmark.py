@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -90,10 +91,9 @@ def measure(port: int, name: str, seconds: float, concurrency: int, profile_pid:
     single: LoadResult = load(port, requests, 1, seconds)
     spy, raw = None, Path(tempfile.mkdtemp(prefix="mha-profile-")) / "py-spy.txt"
     if profile_pid is not None:
-        cmd = ["py-spy", "record", "-p", str(profile_pid), "-d", str(int(seconds)), "-r", "200", "-f", "raw"]
-        spy = subprocess.Popen(
-            [*cmd, "-o", str(raw), "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-        )
+        exe = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")  # the venv's, unactivated
+        cmd = [exe, "record", "-p", str(profile_pid), "-d", str(int(seconds)), "-r", "200", "-f", "raw", "-o", str(raw)]
+        spy = subprocess.Popen([*cmd, "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         cpu_before = cpu_seconds(profile_pid)
     loaded: LoadResult = load(port, requests, concurrency, seconds)
     stages = {}
