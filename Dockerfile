@@ -41,6 +41,9 @@ ENV ORT_PACKAGE="onnxruntime-gpu[cuda,cudnn]==1.31.1"
 FROM runtime-${VARIANT} AS runtime
 ARG RAY_VERSION
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
+# Serve's proxy (every node on a cluster) runs service/http_server.py's callback: the default request-head limits
+# (431) and a 413 for `Expect: 100-continue` over the body limit, before it answers `100 Continue`.
+ENV RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=service.http_server:proxy_callback
 USER 1000:100
 WORKDIR /home/ray/app
 COPY --chown=1000:100 pyproject.toml README.md ./

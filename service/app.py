@@ -50,6 +50,7 @@ def build_app(args: AppConfig | dict[str, Any] | None = None) -> Application:
         ray_actor_options={"num_cpus": ingress.num_cpus},
         max_ongoing_requests=ingress.max_ongoing_requests,
         max_queued_requests=ingress.max_queued_requests,
+        health_check_period_s=ingress.health_check_period_s,
     ).bind(remote, colocated, config)
 
 

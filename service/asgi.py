@@ -1,6 +1,6 @@
-"""ASGI middleware in front of the FastAPI app: the body limit, checked on Content-Length and again while reading,
-and the inference routes (the hot path) dispatched straight to the ingress's handlers, skipping FastAPI's routing
-and dependency resolution; every other route, and the OpenAPI document, is FastAPI's. No torch.
+"""ASGI middleware in front of the FastAPI app: the request limits (the head; the body on Content-Length and again
+while reading), and the inference routes (the hot path) dispatched straight to the ingress's handlers, skipping
+FastAPI's routing and dependency resolution; every other route, and the OpenAPI document, is FastAPI's. No torch.
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from typing import Any
 
 from starlette.requests import Request
 
-from service.errors import BodyTimeoutError, BodyTooLargeError
+from service.config import RequestLimits
+from service.errors import BodyTimeoutError, BodyTooLargeError, HeadersTooLargeError, ServiceError
 from service.responses import error_response
 
 
@@ -57,9 +58,24 @@ async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
     return b"".join(chunks)
 
 
+def over_limits(scope: dict[str, Any], limits: RequestLimits) -> ServiceError | None:
+    """The error for a request whose head or announced body is over the limits, before a byte of the body is read.
+    The HTTP server (service/http_server.py) refuses heads as they arrive; this catches what came through Serve's
+    proxy, which keeps the default limits."""
+    headers = scope["headers"]
+    if len(headers) > limits.max_headers:
+        return HeadersTooLargeError(f"more than {limits.max_headers} request headers")
+    if sum(len(k) + len(v) + 4 for k, v in headers) + len(scope.get("raw_path") or b"") > limits.max_header_bytes:
+        return HeadersTooLargeError(f"request headers are over the limit of {limits.max_header_bytes} bytes")
+    length = dict(headers).get(b"content-length")
+    if length is not None and length.isdigit() and int(length) > limits.max_body_bytes:
+        return too_large(int(length), limits.max_body_bytes)
+    return None
+
+
 class FrontDoor:
-    """The app's outermost middleware. The ingress registers itself as `app.state.ingress`, with
-    `app.state.max_body_bytes`; before it has, every request goes to FastAPI."""
+    """The app's outermost middleware. The ingress registers itself as `app.state.ingress`, with its
+    `app.state.limits`; before it has, every request goes to FastAPI."""
 
     def __init__(self, app) -> None:
         self.app = app
@@ -68,10 +84,10 @@ class FrontDoor:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         state = scope["app"].state
-        limit = getattr(state, "max_body_bytes", None)
-        length = dict(scope["headers"]).get(b"content-length")
-        if limit is not None and length is not None and length.isdigit() and int(length) > limit:
-            return await error_response(too_large(int(length), limit))(scope, receive, send)
+        limits = getattr(state, "limits", None)
+        refusal = over_limits(scope, limits) if limits is not None else None
+        if refusal is not None:
+            return await error_response(refusal)(scope, receive, send)
         ingress = getattr(state, "ingress", None)
         route = match_inference(scope["method"], route_path(scope)) if ingress is not None else None
         if route is None:

@@ -10,10 +10,11 @@ import asyncio
 from collections import deque
 
 import numpy as np
+from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
-from service.errors import OverCapacityError
+from service.errors import OverCapacityError, ReplicaLostError
 
 Waiting = tuple[np.ndarray, np.ndarray, asyncio.Future]
 
@@ -66,6 +67,9 @@ class Coalescer:
             error = OverCapacityError(f"model {self.name!r} is over capacity (its queue is full); retry later")
             for *_, future in group:
                 _fail(future, error)
+        except RayActorError:  # the replica died: Serve starts another, the group's requests may retry
+            for *_, future in group:
+                _fail(future, ReplicaLostError(self.name))
         except Exception as exc:  # the model's own error (e.g. not ready) goes to every request of the group
             for *_, future in group:
                 _fail(future, exc)

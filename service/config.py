@@ -12,6 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 Backend = Literal["auto", "cpu", "gpu"]
 Placement = Literal["auto", "colocated", "deployment"]
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: larger request bodies get 413
+HEALTH_CHECK_PERIOD_S = 2.0  # Serve's default 10 s: a crashed replica went unnoticed (and unreplaced) that long
+MAX_HEADER_BYTES = 64 << 10  # 64 KiB of request line and headers (nginx allows 32 KiB, Node.js 16 KiB)
 
 
 class Autoscaling(BaseModel):
@@ -55,6 +57,9 @@ class DeploymentSettings(BaseModel):
     ort_spinning: bool = Field(
         True, description="ORT's intra-op threads spin-wait between runs (lower latency; CPU the HTTP side loses)"
     )
+    health_check_period_s: float = Field(
+        HEALTH_CHECK_PERIOD_S, gt=0, description="how often Serve checks each replica: a crashed one is replaced then"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> DeploymentSettings:
@@ -84,6 +89,9 @@ class IngressSettings(BaseModel):
         "gets the service's JSON 503 (with Retry-After, counted in the metrics), never Serve's plain-text one",
     )
     max_queued_requests: int = Field(2048, ge=1, description="requests Serve queues for a replica beyond that")
+    health_check_period_s: float = Field(
+        HEALTH_CHECK_PERIOD_S, gt=0, description="how often Serve checks each replica: a crashed one is replaced then"
+    )
     coalesce: bool = Field(
         False,
         description="send each model's waiting requests as one Ray call (service/coalescer.py): much less CPU per "
@@ -95,8 +103,14 @@ class IngressSettings(BaseModel):
 
 
 class RequestLimits(BaseModel):
+    """What one request may hold and how long it may take; each refusal is a JSON error naming the limit."""
+
     model_config = ConfigDict(extra="forbid")
     max_body_bytes: int = Field(MAX_BODY_BYTES, ge=1024, description="larger bodies get 413")
+    max_header_bytes: int = Field(
+        MAX_HEADER_BYTES, ge=1024, description="request line and headers together; more get 431, cut off as they arrive"
+    )
+    max_headers: int = Field(100, ge=8, description="request headers; more get 431")
     max_rows: int = Field(64, ge=1, description="sequences per request; more get 400")
     body_timeout_s: float = Field(10.0, gt=0, description="the whole body must arrive within this; else 408")
     drain_s: float = Field(

@@ -49,5 +49,6 @@ def model_deployment(
         ray_actor_options={"num_cpus": settings.num_cpus, "num_gpus": num_gpus},
         max_ongoing_requests=settings.max_ongoing_requests,
         max_queued_requests=settings.max_queued_requests,
+        health_check_period_s=settings.health_check_period_s,
         **settings.scaling(),
     ).bind(models_dir, name, backend, settings)

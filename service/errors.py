@@ -1,4 +1,4 @@
-"""Typed service errors, each with its HTTP status; `ingress.py` maps them to `{"error": ...}` in one place.
+"""Typed service errors, each with its HTTP status; `responses.py` maps them to `{"error": ...}` in one place.
 
 No torch here.
 """
@@ -37,8 +37,23 @@ class BodyTimeoutError(ServiceError):
         return {"Connection": "close"}  # the rest of the body may still be coming: do not read it as a request
 
 
+class HeadersTooLargeError(ServiceError):
+    """431: the request line and headers are over the configured size, or there are too many headers."""
+
+    status = 431
+
+    def headers(self) -> dict[str, str]:
+        return {"Connection": "close"}
+
+
 class ModelNotFoundError(ServiceError):
     """404: no model of that name is configured."""
+
+    status = 404
+
+
+class NotServedHereError(ServiceError):
+    """404: a port that serves nothing (Serve's proxy, when the ingress listens on the API's port itself)."""
 
     status = 404
 
@@ -49,14 +64,25 @@ class NotReadyError(ServiceError):
     status = 503
 
 
-class OverCapacityError(ServiceError):
-    """503: the model's bounded queue is full; retry later (the answer says when, in Retry-After)."""
+class RetryLaterError(ServiceError):
+    """503 with Retry-After: a passing condition; the answer says when to try again."""
 
     status = 503
     retry_after_s = 1
 
     def headers(self) -> dict[str, str]:
         return {"Retry-After": str(self.retry_after_s)}
+
+
+class OverCapacityError(RetryLaterError):
+    """503: the server's or the model's bounded queue is full; retry later."""
+
+
+class ReplicaLostError(RetryLaterError):
+    """503: the model's replica died while answering (Serve starts another); retry later."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"the replica of model {model!r} stopped while answering (Serve starts another); retry")
 
 
 class ModelFileError(ValueError):

@@ -18,7 +18,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 
 from export.metadata import ModelMetadata
-from service import attention_api
+from service import attention_api, http_server
 from service.asgi import FrontDoor, read_body
 from service.coalescer import Coalescer
 from service.config import AppConfig
@@ -131,7 +131,9 @@ class Ingress:
         self._draining = False  # set by `drain` on SIGTERM: readiness answers 503 from then on
         self._metrics = IngressMetrics()
         self._gauge_refresher: asyncio.Task | None = None  # started on the replica's event loop by the first request
-        app.state.max_body_bytes = config.limits.max_body_bytes
+        limits = config.limits
+        http_server.install(limits)  # for this replica's own HTTP server (direct ingress), started after __init__
+        app.state.limits = limits
         app.state.ingress = self  # FrontDoor sends the inference routes straight to this replica's handlers
 
     def _model(self, name: str) -> ModelPlacement:

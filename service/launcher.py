@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -17,6 +16,7 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
+from service import http_server, ports
 from service.config import AppConfig
 from service.drain import drain, stop_ray
 from service.errors import ModelFileError
@@ -49,7 +49,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="mha-serving serve", description=__doc__.splitlines()[0])
     p.add_argument("--models", help="folder with one sub-folder per exported model (default: models, or the config's)")
     p.add_argument("--backend", choices=("auto", "cpu", "gpu"), help="ONNX Runtime backend (default: auto)")
-    p.add_argument("--host", default="127.0.0.1", help="HTTP host (default: 127.0.0.1)")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="the API's address; Ray's own ports stay on loopback unless it is another (default: 127.0.0.1)",
+    )
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"HTTP port (default: {DEFAULT_PORT})")
     p.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT, help="Prometheus port (default: 8080)")
     p.add_argument("--config", type=Path, help="YAML: AppConfig fields, or a Serve config file (its first app's args)")
@@ -83,17 +87,6 @@ def load_config(args: argparse.Namespace) -> AppConfig:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
         raise LaunchError(f"invalid config: {where}: {first['msg']}") from exc
-
-
-def check_port(host: str, port: int, what: str, flag: str) -> None:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as exc:
-            raise LaunchError(
-                f"{what} port {port} on {host} is in use or not available ({exc.strerror}); pass {flag}"
-            ) from None
 
 
 def cpus_needed(config: AppConfig, names: list[str]) -> float:
@@ -149,9 +142,19 @@ def direct_ingress_env(port: int) -> dict[str, str]:
     }
 
 
+def listen_env(opts: LocalServe) -> None:
+    """Set (before Ray starts) where Ray and Serve listen: Ray's ports on loopback for a loopback --host; with direct
+    ingress, the ingress replica on --port and Serve's proxy (which Serve keeps, on a spare port) refusing every
+    request; the head limits in the proxy (service/http_server.py)."""
+    os.environ.update(direct_ingress_env(opts.port) if opts.direct else {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"})
+    os.environ.pop(http_server.API_PORT, None)
+    for key, value in {**ports.ray_env(opts.host), **http_server.proxy_env(opts.port if opts.direct else None)}.items():
+        os.environ.setdefault(key, value)
+
+
 def start_local(config: AppConfig, opts: LocalServe) -> None:
     """Start an embedded Ray and Serve, and deploy `build_app(config)`; returns once every replica is up."""
-    os.environ.update(direct_ingress_env(opts.port) if opts.direct else {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"})
+    listen_env(opts)
     config = local_defaults(config, opts.direct)
     set_local_ray_env()
     import ray
@@ -172,16 +175,10 @@ def start_local(config: AppConfig, opts: LocalServe) -> None:
         **extra,
     )
     signal.signal(signal.SIGTERM, _interrupt)  # after ray.init, which installs its own handler
-    proxy_port = free_port(opts.host) if opts.direct else opts.port
+    proxy_port = ports.free_port(opts.host) if opts.direct else opts.port  # the same host: Serve shares it
     serve.start(http_options={"host": opts.host, "port": proxy_port})
     logging = {"enable_access_log": opts.access_log, "log_level": "INFO" if opts.access_log else "WARNING"}
     serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False, logging_config=logging)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def report(args: argparse.Namespace) -> None:
@@ -213,9 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args)
         find_models(config.models_dir, config.models)
-        check_port(args.host, args.port, "HTTP", "--port")
-        check_port("127.0.0.1", args.metrics_port, "metrics", "--metrics-port")
-    except (LaunchError, ModelFileError) as exc:
+        ports.check_port(args.host, args.port, "HTTP", "--port")
+        ports.check_port(ports.ray_host(args.host), args.metrics_port, "metrics", "--metrics-port")
+    except (LaunchError, ModelFileError, ports.PortError) as exc:
         print(f"mha-serving serve: {exc}", file=sys.stderr)
         return 2
     try:

@@ -9,6 +9,7 @@ import asyncio
 from typing import Protocol
 
 import numpy as np
+from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
@@ -16,7 +17,7 @@ from service.attention_api import AttentionResult
 from service.batching import BatchResult
 from service.coalescer import Coalescer
 from service.engine import ModelEngine, ModelStatus
-from service.errors import OverCapacityError
+from service.errors import OverCapacityError, ReplicaLostError
 
 STATUS_TIMEOUT_S = 5.0  # a model deployment without a live replica answers nothing; say so instead of hanging
 
@@ -80,6 +81,11 @@ class Remote:
             return await self._handle.infer.remote(ids, mask)
         except BackPressureError as exc:
             raise OverCapacityError(f"model {self.name!r} is over capacity (its queue is full); retry later") from exc
+        except RayActorError as exc:
+            raise ReplicaLostError(self.name) from exc
 
     async def attention(self, ids: np.ndarray) -> AttentionResult:
-        return await self._handle.attention.remote(ids)
+        try:
+            return await self._handle.attention.remote(ids)
+        except RayActorError as exc:
+            raise ReplicaLostError(self.name) from exc

@@ -5,6 +5,7 @@ orjson encodes (numpy arrays natively); every error body is `{"error": "..."}`. 
 
 from __future__ import annotations
 
+from http import HTTPStatus
 from typing import Any
 
 import orjson
@@ -24,3 +25,12 @@ def error_response(exc: BaseException) -> Response:
     if isinstance(exc, ServiceError):
         return json_response({"error": str(exc)}, exc.status, exc.headers())
     return json_response({"error": f"internal error: {type(exc).__name__}: {exc}"}, 500)
+
+
+def raw_error_response(exc: ServiceError) -> bytes:
+    """The same answer as bytes on the wire, for errors found in the request head before any ASGI app runs; the
+    connection closes after it."""
+    body = orjson.dumps({"error": str(exc)})
+    headers = {"content-type": JSON, "content-length": str(len(body)), **(exc.headers() or {}), "Connection": "close"}
+    head = [f"HTTP/1.1 {exc.status} {HTTPStatus(exc.status).phrase}", *(f"{k}: {v}" for k, v in headers.items())]
+    return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body

@@ -40,9 +40,14 @@ def start_ray_and_serve(metrics_port: int | None = None) -> int:
     import ray
     from ray import serve
 
+    from service import http_server, ports
+
     port = free_port()
     # Ray exports metrics every 10 s by default; 1 s keeps the metrics tests short (Ray's processes inherit it).
     os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
+    # As shipped: Ray's own ports on loopback, and Serve's proxy with the service's callback (as on a cluster).
+    for key, value in {**ports.ray_env(ports.LOOPBACK), **http_server.proxy_env(None)}.items():
+        os.environ.setdefault(key, value)
     ray.init(
         address="local",
         num_cpus=2,

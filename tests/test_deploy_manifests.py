@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import importlib
 import re
 import shutil
 import subprocess
@@ -331,3 +332,14 @@ def test_runtime_image_is_the_pinned_ray_image_as_a_non_root_user_without_torch(
     installs = [c for c in commands if "pip install" in c]
     assert installs and not any("torch" in c for c in installs), installs
     assert "COPY --from=export" in runtime
+
+
+def test_the_image_gives_serve_proxy_the_service_callback_that_exists():
+    """Serve's proxy on every cluster node must load service/http_server.py's callback (head limits, Expect guard)."""
+    from service import http_server
+
+    runtime = (ROOT / "Dockerfile").read_text().split("AS runtime\n", 1)[1]
+    for key, value in http_server.PROXY_CALLBACK.items():
+        assert f"ENV {key}={value}" in runtime
+        module, _, name = value.partition(":")
+        assert callable(getattr(importlib.import_module(module), name))

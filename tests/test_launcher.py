@@ -14,7 +14,7 @@ import httpx
 import pytest
 from serving import free_port
 
-from service import launcher, up
+from service import launcher, ports, up
 
 
 def test_missing_models_folder_is_one_line_and_exit_2(tmp_path, capsys):
@@ -35,6 +35,31 @@ def test_port_in_use_is_one_line_and_exit_2(tiny_models_dir, capsys):
         port = busy.getsockname()[1]
         assert launcher.main(["--models", str(tiny_models_dir), "--port", str(port)]) == 2
     assert f"HTTP port {port} on 127.0.0.1 is in use" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0"])
+def test_a_busy_metrics_port_is_checked_where_ray_will_listen(tiny_models_dir, capsys, host):
+    """Ray's metrics ports follow --host: loopback for a loopback host, else every interface (0.0.0.0)."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        args = ["--models", str(tiny_models_dir), "--host", host, "--port", str(free_port())]
+        assert launcher.main([*args, "--metrics-port", str(port)]) == 2
+    assert f"metrics port {port} on {ports.ray_host(host)} is in use" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "host,ray_host,env",
+    [
+        ("127.0.0.1", "127.0.0.1", ports.RAY_ON_LOOPBACK),
+        ("localhost", "127.0.0.1", ports.RAY_ON_LOOPBACK),
+        ("0.0.0.0", "0.0.0.0", {}),
+        ("192.0.2.7", "0.0.0.0", {}),
+    ],
+)
+def test_ray_listens_on_loopback_unless_the_api_host_is_another(host, ray_host, env):
+    assert ports.ray_host(host) == ray_host and ports.ray_env(host) == env
 
 
 def test_config_file_with_a_misspelt_setting_is_refused(tiny_models_dir, tmp_path, capsys):

@@ -1,25 +1,33 @@
-"""The service as shipped (`mha-serving serve`, direct ingress, two tiny models) against a bad day: a flood past
-capacity, slow bodies, a huge chunked body, SIGTERM under load. Loopback only, bounded in count and time; each test
-prints what it measured."""
+"""The service as shipped (`mha-serving serve`, direct ingress, three tiny models, one in its own deployment) against
+a bad day: a flood past capacity, slow bodies, a huge chunked body, oversized heads, killed replicas, SIGTERM under
+load; and where it listens. Loopback only, bounded in count and time; each test prints what it measured."""
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
+import itertools
 import json
+import os
+import shutil
+import signal
 import socket
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 
-from service.bench_server import ServerProcess, memory_kib
+from service.bench_server import ServerProcess, descendants, memory_kib
 
 pytestmark = [pytest.mark.serve, pytest.mark.slow]
 PREDICT = "/v1/models/mha-h2-d32/predict"
 SLOW = "mha-h4-d32"  # a 0.2 s batch window and a short queue: easy to overload
+REMOTE = "mha-h1-d32"  # in its own deployment (as GPU models are on a cluster): the replica the recovery test kills
 
 
 def server_config(models_dir, **limits) -> dict:
@@ -27,14 +35,25 @@ def server_config(models_dir, **limits) -> dict:
     return {
         "models_dir": str(models_dir),
         "backend": "cpu",
-        "overrides": {SLOW: slow},
+        "overrides": {SLOW: slow, REMOTE: {"placement": "deployment"}},
         "limits": {"body_timeout_s": 2.0, **limits},
     }
 
 
 @pytest.fixture(scope="module")
-def server(tiny_models_dir):
-    with ServerProcess(server_config(tiny_models_dir)) as running:
+def models_dir(tiny_models_dir, tmp_path_factory):
+    """The session's two tiny models and a third, REMOTE."""
+    from conftest import export_tiny_model
+
+    out = tmp_path_factory.mktemp("reliability") / "models"
+    shutil.copytree(tiny_models_dir, out)
+    export_tiny_model(out, heads=1, seed=1)
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(models_dir):
+    with ServerProcess(server_config(models_dir)) as running:
         yield running
 
 
@@ -56,6 +75,25 @@ async def _one_shot(port: int, request: bytes) -> tuple[int, bytes, float]:
         return int(head[9:12]), head + body, time.perf_counter() - start
     finally:
         writer.close()
+
+
+def read_answer(sock: socket.socket) -> bytes:
+    """One HTTP answer (head and Content-Length body), however the connection ends after it."""
+    answer = b""
+    try:
+        while b"\r\n\r\n" not in answer or len(answer.partition(b"\r\n\r\n")[2]) < _length(answer):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            answer += chunk
+    except (ConnectionResetError, TimeoutError):
+        pass
+    return answer
+
+
+def _length(answer: bytes) -> int:
+    head = answer.partition(b"\r\n\r\n")[0].lower()
+    return int(head.split(b"content-length:")[1].split(b"\r\n")[0]) if b"content-length:" in head else 0
 
 
 def flood(port: int, path: str, count: int) -> list[tuple[int, bytes, float]]:
@@ -136,17 +174,180 @@ def test_a_huge_chunked_body_is_cut_off_at_the_limit_without_growing_the_ingress
     except (BrokenPipeError, ConnectionResetError):
         pass  # the server answered and closed: the rest is never read
     sock.settimeout(10)
-    answer = b""
-    try:
-        while chunk_in := sock.recv(65536):
-            answer += chunk_in
-    except (ConnectionResetError, TimeoutError):
-        pass
+    answer = read_answer(sock)
     sock.close()
     growth_mib = (memory_kib(pid, "Rss") - before) / 1024
     print(f"\nchunked body: {sent / 2**20:.0f} MiB sent before the cut, ingress RSS +{growth_mib:.1f} MiB")
     assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
     assert b"over the limit of 1048576 bytes" in answer and growth_mib < 20
+
+
+def _send(port: int, request: bytes) -> bytes:
+    """`request` on its own connection, all of it (the server drops what follows a refusal), then the answer."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(request)
+        return read_answer(sock)
+
+
+def _json_error(answer: bytes, status: int) -> str:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(f"HTTP/1.1 {status}".encode()) and b"application/json" in head, answer[:300]
+    return json.loads(body)["error"]
+
+
+def test_oversized_request_heads_get_a_json_431_as_they_arrive(server):
+    """limits.max_header_bytes (64 KiB) and limits.max_headers (100), enforced by the ingress's HTTP server."""
+    pid = server.replica_pid("ingress")
+    before = memory_kib(pid, "Rss")
+    head = b"GET /v2/health/live HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+    start = time.perf_counter()
+    one_mb = _send(server.port, head + b"X-Big: " + b"a" * 1_000_000 + b"\r\n\r\n")
+    many = _send(server.port, head + b"".join(b"X-H%d: v\r\n" % i for i in range(1000)) + b"\r\n")
+    huge = _send(server.port, head + b"X-Huge: " + b"a" * (32 << 20) + b"\r\n\r\n")  # 32 MiB
+    seconds = time.perf_counter() - start
+    growth_mib = (memory_kib(pid, "Rss") - before) / 1024
+    after = httpx.get(f"http://127.0.0.1:{server.port}/v2/health/live", timeout=10)
+    print(f"\nheads: 1 MB, 1000 headers, 32 MiB -> 431 in {seconds:.2f} s; ingress RSS +{growth_mib:.1f} MiB")
+    assert _json_error(one_mb, 431) == "request headers are over the limit of 65536 bytes"
+    assert _json_error(many, 431) == "more than 100 request headers"
+    assert _json_error(huge, 431) == "request headers are over the limit of 65536 bytes"
+    assert growth_mib < 20 and after.status_code == 200
+
+
+def test_expect_100_continue_gets_the_413_first_when_the_body_is_too_large(server):
+    head = f"POST {PREDICT} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nExpect: 100-continue\r\n"
+    refused = _send(server.port, (head + "Content-Length: 2000000\r\n\r\n").encode())
+    assert b"100 Continue" not in refused
+    assert _json_error(refused, 413) == "request body of 2000000 bytes is over the limit of 1048576 bytes"
+    body = b'{"text": "hi"}'
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:  # within the limit: as before
+        sock.sendall((head + f"Content-Length: {len(body)}\r\n\r\n").encode())
+        assert sock.recv(64) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        sock.sendall(body)
+        assert read_answer(sock).startswith(b"HTTP/1.1 200")
+
+
+def _listening(pids: list[int]) -> list[tuple[str, int, int]]:
+    """(address, port, pid) of every listening TCP socket of these processes, from /proc."""
+    owner = {}
+    for pid in pids:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                link = os.readlink(fd)
+                if link.startswith("socket:["):
+                    owner[int(link[8:-1])] = pid
+        except OSError:  # gone meanwhile
+            continue
+    found = []
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A" or int(fields[9]) not in owner:  # 0A: LISTEN
+                continue
+            address, port = fields[1].split(":")
+            raw = bytes.fromhex(address)
+            raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))  # /proc prints 32-bit words
+            found.append((socket.inet_ntop(family, raw), int(port, 16), owner[int(fields[9])]))
+    return found
+
+
+def _is_loopback(address: str) -> bool:
+    ip = ipaddress.ip_address(address)
+    return ip.is_loopback or (ip.version == 6 and ip.ipv4_mapped is not None and ip.ipv4_mapped.is_loopback)
+
+
+def _name(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+
+
+def test_everything_listens_on_loopback_and_serve_proxy_is_no_second_entry_point(server):
+    """--host 127.0.0.1: the API, Ray's metrics ports, agents and gRPC on loopback. Ray 2.60 binds only each Serve
+    replica's own gRPC port on every interface ([::], token-authenticated): not HTTP, checked here."""
+    sockets = _listening(descendants(os.getsid(server.replica_pid("ingress"))))
+    wide = [(a, port, _name(pid)) for a, port, pid in sockets if not _is_loopback(a)]
+    proxy = [port for a, port, pid in sockets if _name(pid) == "ray::ProxyActor" and a == "127.0.0.1"]  # its HTTP
+    print(f"\nlistening: {len(sockets)} sockets, {len(sockets) - len(wide)} on loopback; others: {wide}")
+    assert (server.port, "127.0.0.1") in {(port, a) for a, port, _ in sockets}
+    assert (server.metrics_port, "127.0.0.1") in {(port, a) for a, port, _ in sockets}
+    for address, port, name in wide:  # only the replicas' gRPC: an HTTP request gets no HTTP answer
+        assert address == "::" and name.startswith("ray::ServeReplica"), (address, port, name)
+        answer = _send(port, b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        assert not answer.startswith(b"HTTP/1"), answer[:100]
+    assert len(proxy) == 1  # Serve keeps its proxy with direct ingress; it refuses everything
+    r = httpx.get(f"http://127.0.0.1:{proxy[0]}/v1/models", timeout=10)
+    assert r.status_code == 404 and r.json() == {
+        "error": f"nothing is served on this port; the API is on port {server.port}"
+    }
+
+
+CLIENT_TIMEOUT_S = 10.0  # every request is bounded (by the recovery bound): one waiting longer shows up as "timeout"
+
+
+def _keep_asking(port: int, model: str, stop: threading.Event, log: list) -> None:
+    """Predict requests one after another until `stop`: (start, end, status code or error name) each."""
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=CLIENT_TIMEOUT_S) as client:
+        while not stop.is_set():
+            start = time.perf_counter()
+            try:
+                code = client.post(f"/v1/models/{model}/predict", json={"text": "still there?"}).status_code
+            except httpx.TimeoutException:
+                code = "timeout"
+            except httpx.TransportError as exc:  # connection refused or reset while the ingress restarts
+                code = type(exc).__name__
+                time.sleep(0.05)
+            log.append((start, time.perf_counter(), code))
+
+
+def _answered(log: list, since: float) -> bool:
+    return any(code == 200 and start > since for start, _, code in log)
+
+
+def _outage(log: list, since: float, until: float) -> float:
+    """The longest stretch between `since` and `until` in which no request sent after `since` was answered 200."""
+    marks = [since, *sorted(end for start, end, code in log if code == 200 and start > since), until]
+    return max(b - a for a, b in itertools.pairwise(marks))
+
+
+def _kill_under_load(server, victim: str, models: list[str]) -> tuple[dict[str, list], float, float]:
+    """SIGKILL `victim`'s replica while two clients per model keep asking, until each model answered again and one
+    second more: every request's (start, end, code) per model, when the kill was and when the asking stopped."""
+    logs: dict[str, list] = {m: [] for m in models}
+    stop = threading.Event()
+    clients = [threading.Thread(target=_keep_asking, args=(server.port, m, stop, logs[m])) for m in models * 2]
+    for client in clients:
+        client.start()
+    time.sleep(1.0)
+    pid = server.replica_pid(victim)
+    killed = time.perf_counter()
+    os.kill(pid, signal.SIGKILL)
+    while time.perf_counter() - killed < 15 and not all(_answered(logs[m], killed) for m in models):
+        time.sleep(0.1)
+    time.sleep(1.0)  # and it keeps serving
+    stop.set()
+    stopped = time.perf_counter()
+    for client in clients:
+        client.join(CLIENT_TIMEOUT_S + 5)
+    return logs, killed, stopped
+
+
+def test_a_killed_model_replica_or_ingress_serves_again_within_10_s_and_no_request_hangs(server):
+    """SIGKILL under load (two clients per model, every request bounded): first REMOTE's replica, then the ingress."""
+    models = [REMOTE, "mha-h2-d32"]
+    for victim in (REMOTE, "ingress"):
+        logs, killed, stopped = _kill_under_load(server, victim, models)
+        codes = {m: Counter(str(code) for _, end, code in logs[m] if end > killed) for m in models}
+        for model in models:
+            outage = _outage(logs[model], killed, stopped)
+            slowest = max(end - start for start, end, _ in logs[model] if end > killed)
+            print(
+                f"\nkill {victim}: {model} answered again after {outage:.1f} s; {dict(codes[model])}; "
+                f"slowest request {slowest:.1f} s"
+            )
+            assert outage < 10 and "timeout" not in codes[model], (model, codes[model])
+        if victim == REMOTE:  # the other model did not notice; the killed one refused at most with a JSON 503
+            assert set(codes["mha-h2-d32"]) == {"200"} and set(codes[REMOTE]) <= {"200", "503"}, codes
+        else:  # no 5xx: connections refused or cut while the ingress restarts
+            assert all(code == "200" or not code.isdigit() for c in codes.values() for code in c), codes
 
 
 def test_sigterm_under_load_turns_readiness_503_answers_every_request_and_exits_in_time(tiny_models_dir):

@@ -1,0 +1,155 @@
+"""What Ray Serve's HTTP servers run with in our processes, installed before Serve starts them: request heads bounded
+while they arrive (431, or 413 for `Expect: 100-continue`), a listening socket a restarted replica can bind again at
+once, and in Serve's proxy a refusal of every request when the ingress listens itself (direct ingress). No torch.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import uvicorn.config
+from starlette.middleware import Middleware
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from service.asgi import too_large
+from service.config import RequestLimits
+from service.errors import HeadersTooLargeError, NotServedHereError, ServiceError
+from service.responses import error_response, raw_error_response
+
+LINGER_S = 2.0  # after a refusal, the rest of the request is read and dropped this long, so the client sees the answer
+PROTOCOL = "service.http_server:LimitedHttpProtocol"
+PROXY_CALLBACK = {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "service.http_server:proxy_callback"}
+API_PORT = "MHA_SERVING_API_PORT"  # set by the launcher with direct ingress: Serve's proxy then refuses every request
+
+
+class LimitedHttpProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol, refusing a request while its head arrives: a head (request line and headers)
+    over `limits.max_header_bytes` or with more than `limits.max_headers` headers (431; nothing past the limit is
+    kept), or an `Expect: 100-continue` for a body over `limits.max_body_bytes` (413, before any `100 Continue`)."""
+
+    limits = RequestLimits()
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._in_head = False  # a request head has begun and is not complete yet
+        self._head_bytes = 0  # its bytes as parsed (request target, headers)
+        self._arrived = 0  # bytes of the data received while it was incomplete
+        self._refusal: ServiceError | None = None
+
+    def data_received(self, data: bytes) -> None:
+        if self._refusal is not None:
+            return  # the rest of a refused request: dropped
+        super().data_received(data)  # an error raised by a callback below ends up in send_400_response
+        if self._in_head and self._refusal is None:
+            self._arrived += len(data)
+            if self._arrived > self.limits.max_header_bytes:
+                self._refusal = self._head_too_large()
+                self._refuse()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._in_head, self._head_bytes, self._arrived = True, 0, 0
+
+    def on_url(self, url: bytes) -> None:
+        self._head_bytes += len(url)
+        if self._head_bytes > self.limits.max_header_bytes:
+            self._stop(self._head_too_large())
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        limits = self.limits
+        if len(self.headers) >= limits.max_headers:
+            self._stop(HeadersTooLargeError(f"more than {limits.max_headers} request headers"))
+        self._head_bytes += len(name) + len(value) + 4  # "name: value\r\n"
+        if self._head_bytes > limits.max_header_bytes:
+            self._stop(self._head_too_large())
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        length = dict(self.headers).get(b"content-length", b"") if self.expect_100_continue else b""
+        if length.isdigit() and int(length) > self.limits.max_body_bytes:
+            self._stop(too_large(int(length), self.limits.max_body_bytes))
+        super().on_headers_complete()
+
+    def _head_too_large(self) -> HeadersTooLargeError:
+        return HeadersTooLargeError(f"request headers are over the limit of {self.limits.max_header_bytes} bytes")
+
+    def _stop(self, refusal: ServiceError) -> None:
+        """Stop the parser (inside its callback); uvicorn then calls send_400_response, which answers `refusal`."""
+        self._refusal = refusal
+        raise refusal
+
+    def send_400_response(self, msg: str) -> None:
+        if self._refusal is None:
+            return super().send_400_response(msg)
+        self._refuse()
+
+    def _refuse(self) -> None:
+        """Answer the refusal, then read and drop what the client still sends for LINGER_S before closing."""
+        self.transport.write(raw_error_response(self._refusal))
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.loop.call_later(LINGER_S, self.transport.close)
+
+
+class _ReusableAddressSockets:
+    """The `socket` module as Ray's http_util sees it, except that its sockets reuse their address."""
+
+    def __getattr__(self, name: str):
+        return getattr(socket, name)
+
+    @staticmethod
+    def socket(*args, **kwargs) -> socket.socket:
+        sock = socket.socket(*args, **kwargs)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        return sock
+
+
+def install(limits: RequestLimits) -> None:
+    """From now on, HTTP servers that Serve starts in this process use LimitedHttpProtocol with `limits`, on a
+    listening socket with SO_REUSEADDR: Ray 2.60 binds without it, so after a crash the connections' TIME_WAIT
+    keep a restarted replica off its port (Serve then blocks that port for good)."""
+    from ray.serve._private import http_util
+
+    LimitedHttpProtocol.limits = limits
+    uvicorn.config.HTTP_PROTOCOLS["auto"] = PROTOCOL  # what uvicorn.Config(http="auto"), Serve's choice, loads
+    http_util.socket = _ReusableAddressSockets()
+
+
+def installed() -> bool:
+    return uvicorn.config.HTTP_PROTOCOLS["auto"] == PROTOCOL
+
+
+class ClosedProxy:
+    """Serve's proxy when the ingress replica listens itself (direct ingress): every request gets a JSON 404 naming
+    the API's port, so the proxy's own port (Serve needs one) is no second way in."""
+
+    def __init__(self, app, api_port: str) -> None:
+        self.api_port = api_port
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            error = NotServedHereError(f"nothing is served on this port; the API is on port {self.api_port}")
+            await error_response(error)(scope, receive, send)
+
+
+def proxy_callback() -> list:
+    """RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH: Serve calls it before starting an HTTP server, in its proxy and in
+    a direct-ingress replica. The proxy serves every application, so it keeps the default limits; with direct
+    ingress (API_PORT set), it refuses every request."""
+    if installed():  # the ingress replica's own server: the application's limits are in place
+        return []
+    install(RequestLimits())
+    api_port = os.environ.get(API_PORT)
+    return [Middleware(ClosedProxy, api_port=api_port)] if api_port else []
+
+
+def proxy_env(api_port: int | None) -> dict[str, str]:
+    """The environment (set before Ray starts) that makes Serve's proxy call `proxy_callback`; `api_port`: the port
+    the ingress replica listens on itself, with direct ingress."""
+    env = dict(PROXY_CALLBACK)
+    if api_port is not None:
+        env[API_PORT] = str(api_port)
+    return env

@@ -1,0 +1,56 @@
+"""Where a local server listens: the API on --host, and every port Ray and Serve open on loopback unless --host
+asks for more; free-port checks on the address each port really uses. No torch.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+
+LOOPBACK = "127.0.0.1"
+EVERYWHERE = "0.0.0.0"
+# Ray's single-machine mode (its default on macOS and Windows): the node's address is 127.0.0.1, so Ray's metrics
+# ports (export, dashboard, autoscaler), its agents and its gRPC servers listen on loopback only.
+RAY_ON_LOOPBACK = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+class PortError(RuntimeError):
+    """A port the server needs is taken or cannot be bound on its address (one line for the user)."""
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def ray_env(host: str) -> dict[str, str]:
+    """Environment for an embedded Ray serving on `host`: loopback only for a loopback host; for any other, Ray
+    binds its metrics ports on every interface (Ray 2.60 offers loopback or all, not one address)."""
+    return dict(RAY_ON_LOOPBACK) if is_loopback(host) else {}
+
+
+def ray_host(host: str) -> str:
+    """The address Ray's own ports (metrics among them) listen on when the API listens on `host`."""
+    return LOOPBACK if is_loopback(host) else EVERYWHERE
+
+
+def check_port(host: str, port: int, what: str, flag: str) -> None:
+    """PortError unless `port` can be bound on `host` (on 0.0.0.0: free on every interface)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise PortError(
+                f"{what} port {port} on {host} is in use or not available ({exc.strerror}); pass {flag}"
+            ) from None
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
