@@ -32,7 +32,7 @@ def match_inference(method: str, path: str) -> tuple[str, dict[str, str]] | None
     if parts[1] == "v2" and len(parts) == 5 and parts[4] == "infer":
         return "infer", {"name": parts[3]}
     if parts[1] == "v2" and len(parts) == 7 and parts[4] == "versions" and parts[5] and parts[6] == "infer":
-        return "infer", {"name": parts[3], "version": parts[5]}
+        return "infer_version", {"name": parts[3], "version": parts[5]}
     if parts[1] == "v1" and len(parts) == 5 and parts[4] == "predict":
         return "predict", {"name": parts[3]}
     return None

@@ -9,21 +9,33 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from export.attention_map import AttentionMapError, AttentionModel
 from export.metadata import ATTENTION_MODEL_FILE, ModelMetadata
 from export.tokenizer import ByteTokenizer
 from service.errors import BadRequestError, ModelNotFoundError, NotReadyError
+from service.model_store import without_paths
 from service.validation import texts_to_rows
 
 
 class AttentionRequest(BaseModel):
     """One text; `layer` (0-based) picks one layer, omitted: every layer."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     text: str
-    layer: int | None = None
+    layer: int | None = Field(None, json_schema_extra={"minimum": 0})
+
+
+class AttentionResponse(BaseModel):
+    """Per layer and head, each query token's weights over the key tokens: weights[layer][head][query][key]."""
+
+    model: str
+    heads: int
+    head_dim: int
+    tokens: list[str]
+    layers: list[int]
+    weights: list[list[list[list[float]]]]
 
 
 class NoAttentionVariantError(ModelNotFoundError):
@@ -62,8 +74,8 @@ class AttentionVariant:
             return AttentionResult(None, self._without_paths(why), missing=False)
 
     def _without_paths(self, message: str) -> str:
-        """Error text for a client: the server's folders replaced by the model's name."""
-        return message.replace(str(self.folder), self.folder.name).splitlines()[0]
+        """Error text for a client: the server's folders replaced by the model's name, first line only."""
+        return without_paths(message, self.folder).splitlines()[0]
 
 
 def decode(request: AttentionRequest, meta: ModelMetadata) -> tuple[np.ndarray, list[str]]:

@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 from ray import serve
@@ -18,7 +19,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 
 from export.metadata import ModelMetadata
-from service import attention_api, http_server
+from service import attention_api, http_server, openapi
 from service.asgi import FrontDoor, read_body
 from service.coalescer import Coalescer
 from service.config import AppConfig
@@ -38,13 +39,27 @@ from service.responses import error_response, json_response
 BINARY_HEADER = "inference-header-content-length"
 CLIENT_CLOSED = 499  # nginx's code for a request whose client closed the connection first (metrics only)
 BodyT = TypeVar("BodyT", bound=BaseModel)
+REQUEST_BODIES = [v2.InferRequest, simple.PredictRequest, attention_api.AttentionRequest]
+INFER_DOCS = {
+    "openapi_extra": openapi.request_body(v2.InferRequest),
+    "responses": openapi.responses(v2.InferResponse, 404, 503, *openapi.WITH_BODY),
+}
 
 
 class ServiceApp(FastAPI):
-    """FastAPI with FrontDoor outermost, before FastAPI's own middleware (each layer wraps `send` once more)."""
+    """FastAPI with FrontDoor outermost, before FastAPI's own middleware (each layer wraps `send` once more), and
+    the OpenAPI document completed (service/openapi.py) with the model names of `state.model_names`."""
 
     def build_middleware_stack(self):
         return FrontDoor(super().build_middleware_stack())
+
+    def openapi(self) -> dict[str, Any]:
+        if self.openapi_schema is None:
+            info = {"title": self.title, "version": self.version, "description": self.description}
+            document = get_openapi(**info, routes=self.routes)
+            values = {"name": getattr(self.state, "model_names", []), "version": [v2.MODEL_VERSION]}
+            self.openapi_schema = openapi.completed(document, REQUEST_BODIES, values)
+        return self.openapi_schema
 
 
 app = ServiceApp(title="mha-serving", description="Multi-head attention classifiers on ONNX Runtime in Ray Serve.")
@@ -97,11 +112,6 @@ def _describe_errors(errors: list) -> str:
     return "; ".join(problems)
 
 
-def _openapi_body(model: type[BaseModel]) -> dict[str, Any]:
-    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
-
-
 def _shorten(name: str, limit: int = 80) -> str:
     """A name echoed in an error, cut to `limit` characters (a client can send any length)."""
     return name if len(name) <= limit else name[:limit] + "..."
@@ -134,6 +144,7 @@ class Ingress:
         limits = config.limits
         http_server.install(limits)  # for this replica's own HTTP server (direct ingress), started after __init__
         app.state.limits = limits
+        app.state.model_names = list(self._models)  # the OpenAPI document's model names
         app.state.ingress = self  # FrontDoor sends the inference routes straight to this replica's handlers
 
     def _model(self, name: str) -> ModelPlacement:
@@ -223,7 +234,7 @@ class Ingress:
             )
 
     # ---- Open Inference Protocol v2 ----
-    @app.get("/v2/health/live")
+    @app.get("/v2/health/live", responses=openapi.responses(v2.Live))
     async def live(self) -> Response:
         return json_response({"live": True})
 
@@ -236,7 +247,7 @@ class Ingress:
     def in_flight(self) -> int:
         return self._in_flight
 
-    @app.get("/v2/health/ready")
+    @app.get("/v2/health/ready", responses=openapi.responses(v2.Ready, 503))
     async def ready(self) -> Response:
         if self._draining:
             return json_response({"ready": False, "error": "shutting down"}, 503)
@@ -246,31 +257,43 @@ class Ingress:
             return json_response({"ready": False, "error": f"models not ready: {waiting}"}, 503)
         return json_response({"ready": True})
 
-    @app.get("/v2")
+    @app.get("/v2", responses=openapi.responses(v2.ServerMetadata))
     async def server_metadata(self) -> Response:
         from importlib.metadata import version
 
         return json_response({"name": self._config.server_name, "version": version("mha-serving"), "extensions": []})
 
-    @app.get("/v2/models/{name}")
-    @app.get("/v2/models/{name}/versions/{version}")
-    async def model_metadata(self, name: str, version: str | None = None) -> Response:
-        self._check_version(name, version)
+    @app.get("/v2/models/{name}", responses=openapi.responses(v2.ModelMetadataResponse, 404, 503))
+    async def model_metadata(self, name: str) -> Response:
         status = await self._ready_model(name)
         return json_response(v2.model_metadata(status.metadata))
 
-    @app.get("/v2/models/{name}/ready")
-    @app.get("/v2/models/{name}/versions/{version}/ready")
-    async def model_ready(self, name: str, version: str | None = None) -> Response:
+    @app.get("/v2/models/{name}/versions/{version}", responses=openapi.responses(v2.ModelMetadataResponse, 404, 503))
+    async def model_version_metadata(self, name: str, version: str) -> Response:
         self._check_version(name, version)
+        return await self.model_metadata(name)
+
+    @app.get("/v2/models/{name}/ready", responses=openapi.responses(v2.ModelReady, 404, 503))
+    async def model_ready(self, name: str) -> Response:
         status = await self._status(name, live=True)
         if not status.ready:
             return json_response({"name": name, "ready": False, "error": status.reason}, 503)
         return json_response({"name": name, "ready": True})
 
-    @app.post("/v2/models/{name}/infer", openapi_extra=_openapi_body(v2.InferRequest))
-    @app.post("/v2/models/{name}/versions/{version}/infer", openapi_extra=_openapi_body(v2.InferRequest))
-    async def infer(self, name: str, request: Request, version: str | None = None) -> Response:
+    @app.get("/v2/models/{name}/versions/{version}/ready", responses=openapi.responses(v2.ModelReady, 404, 503))
+    async def model_version_ready(self, name: str, version: str) -> Response:
+        self._check_version(name, version)
+        return await self.model_ready(name)
+
+    @app.post("/v2/models/{name}/infer", **INFER_DOCS)
+    async def infer(self, name: str, request: Request) -> Response:
+        return await self._infer(name, request, None)
+
+    @app.post("/v2/models/{name}/versions/{version}/infer", **INFER_DOCS)
+    async def infer_version(self, name: str, version: str, request: Request) -> Response:
+        return await self._infer(name, request, version)
+
+    async def _infer(self, name: str, request: Request, version: str | None) -> Response:
         async def work(status: ModelStatus | None) -> Response:
             self._check_version(name, version)
             model = self._model(name)  # 404 before looking at the body
@@ -284,12 +307,16 @@ class Ingress:
         return await self._measured("v2_infer", name, work)
 
     # ---- simple JSON ----
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=openapi.responses(simple.ModelList))
     async def list_models(self) -> Response:
         statuses = await asyncio.gather(*(self._status(n, live=True) for n in self._models))
         return json_response({"models": [_describe(s) for s in statuses]})
 
-    @app.post("/v1/models/{name}/predict", openapi_extra=_openapi_body(simple.PredictRequest))
+    @app.post(
+        "/v1/models/{name}/predict",
+        openapi_extra=openapi.request_body(simple.PredictRequest),
+        responses=openapi.responses(simple.PredictResponse, 404, 503, *openapi.WITH_BODY),
+    )
     async def predict(self, name: str, request: Request) -> Response:
         async def work(status: ModelStatus | None) -> Response:
             start = time.perf_counter()
@@ -308,7 +335,11 @@ class Ingress:
 
         return await self._measured("v1_predict", name, work)
 
-    @app.post("/v1/models/{name}/attention", openapi_extra=_openapi_body(attention_api.AttentionRequest))
+    @app.post(
+        "/v1/models/{name}/attention",
+        openapi_extra=openapi.request_body(attention_api.AttentionRequest),
+        responses=openapi.responses(attention_api.AttentionResponse, 404, 503, *openapi.WITH_BODY),
+    )
     async def attention(self, name: str, request: Request) -> Response:
         """Per-layer, per-head attention weights of one text (from model.attn.onnx, opened on first use)."""
 

@@ -36,8 +36,13 @@ def find_models(models_dir: str | Path, names: list[str] | None = None) -> list[
 def model_file(models_dir: str | Path, name: str) -> Path:
     path = Path(models_dir) / name / MODEL_FILE
     if not path.is_file():
-        raise ModelFileError(f"model {name!r}: {path} is missing")
+        raise ModelFileError(f"model {name!r}: {name}/{MODEL_FILE} is missing")
     return path
+
+
+def without_paths(message: str, folder: Path) -> str:
+    """`message` for a client: the model folder's server path replaced by the folder's name (the model's)."""
+    return message.replace(str(folder), folder.name)
 
 
 def check_contract(name: str, props: dict[str, str], inputs: list, outputs: list) -> ModelMetadata:

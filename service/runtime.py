@@ -15,7 +15,7 @@ import onnxruntime as ort
 
 from export.metadata import ATTENTION_MASK, INPUT_IDS, LOGITS, ModelMetadata
 from service.errors import BackendError, ModelFileError
-from service.model_store import check_contract, model_file
+from service.model_store import check_contract, model_file, without_paths
 
 CPU = "CPUExecutionProvider"
 CUDA = "CUDAExecutionProvider"
@@ -105,7 +105,8 @@ def load_runtime(models_dir: str | Path, name: str, backend: str, threads: int, 
     try:
         session = ort.InferenceSession(str(path), sess_options=session_options(threads, spinning), providers=providers)
     except Exception as exc:  # ORT's load errors (InvalidProtobuf, Fail, ...) derive from Exception only
-        raise ModelFileError(f"model {name!r}: ONNX Runtime cannot load {path}: {exc}") from exc
+        why = f"model {name!r}: ONNX Runtime cannot load {path}: {exc}"
+        raise ModelFileError(without_paths(why, path.parent)) from exc
     active = session.get_providers()[0]
     if providers[0] == CUDA and active != CUDA:
         active_all = session.get_providers()

@@ -13,6 +13,8 @@ from export.metadata import ModelMetadata
 from export.tokenizer import ByteTokenizer, SequenceTooLongError
 from service.errors import BadRequestError
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
 
 @dataclass(frozen=True)
 class Rows:
@@ -28,8 +30,8 @@ def int_matrix(name: str, data: object, shape: list[int] | None = None) -> np.nd
         array = np.asarray(data)
     except ValueError as exc:  # ragged nesting
         raise BadRequestError(f"{name}: data is not a rectangular array ({exc})") from exc
-    if array.size and array.dtype.kind not in "iu":
-        raise BadRequestError(f"{name}: data must be integers, got {array.dtype.name} values")
+    if array.size and (array.dtype.kind not in "iu" or array.dtype == np.uint64):
+        _not_int64(name, data, array)
     if shape is not None:
         if len(shape) != 2 or any(d < 0 for d in shape):
             raise BadRequestError(f"{name}: shape must be [batch, sequence], got {shape}")
@@ -39,6 +41,18 @@ def int_matrix(name: str, data: object, shape: list[int] | None = None) -> np.nd
     if array.ndim != 2:
         raise BadRequestError(f"{name}: expected a [batch, sequence] matrix, got {array.ndim} dimension(s)")
     return array.astype(np.int64, copy=False)
+
+
+def _not_int64(name: str, data: object, array: np.ndarray) -> None:
+    """BadRequestError for data that is not all int64: the first integer outside its range as sent (numpy turns
+    ints past 2**63 into uint64, float or object arrays), else the values' type."""
+    values = np.asarray(data, dtype=object).ravel()
+    if all(isinstance(v, int | np.integer) and not isinstance(v, bool | np.bool_) for v in values):
+        big = next((int(v) for v in values if not INT64_MIN <= int(v) <= INT64_MAX), None)
+        if big is None:
+            return
+        raise BadRequestError(f"{name}: {big} is outside the int64 range")
+    raise BadRequestError(f"{name}: data must be integers, got {array.dtype.name} values")
 
 
 def check_rows(ids: np.ndarray, mask: np.ndarray | None, meta: ModelMetadata, max_rows: int) -> Rows:

@@ -71,8 +71,11 @@ def test_model_list_shows_every_model_with_head_configuration_backend_and_readin
 def test_openapi_page_and_schema_list_every_route(service):
     with service.client() as c:
         assert c.get("/docs").status_code == 200
-        paths = c.get("/openapi.json").json()["paths"]
+        document = c.get("/openapi.json").json()
+    paths = document["paths"]
     for route in ("/v2/health/live", "/v2/models/{name}/infer", "/v1/models/{name}/predict", "/v1/models"):
         assert route in paths
     infer_body = paths["/v2/models/{name}/infer"]["post"]["requestBody"]["content"]["application/json"]["schema"]
-    assert "inputs" in infer_body["properties"]
+    assert "inputs" in document["components"]["schemas"][infer_body["$ref"].split("/")[-1]]["properties"]
+    name = paths["/v1/models/{name}/predict"]["post"]["parameters"][0]["schema"]
+    assert name["enum"] == ["mha-h2-d32", "mha-h4-d32"]  # this server's models

@@ -258,3 +258,59 @@ def test_more_inference_requests_than_max_in_flight_get_a_quick_json_503_with_re
             assert "over capacity" in r.json()["error"] and r.headers["retry-after"] == "1" and seconds < 0.4
     finally:
         serve.delete("inflight")
+
+
+@pytest.mark.parametrize(
+    "method,path,allow",
+    [("POST", "/v2/health/live", "GET"), ("GET", PREDICT, "POST"), ("DELETE", "/v1/models", "GET")],
+)
+def test_a_wrong_method_is_a_json_405_that_keeps_its_allow_header(service, method, path, allow):
+    with service.client() as c:
+        r = c.request(method, path)
+    assert r.status_code == 405 and r.json() == {"error": "Method Not Allowed"}
+    assert r.headers["allow"] == allow
+
+
+def test_booleans_are_not_token_ids(service):
+    with service.client() as c:
+        simple = c.post(PREDICT, json={"input_ids": [[True, False]]})
+        v2 = c.post(INFER, json={"inputs": [v2_tensor("input_ids", [[True, False]], "INT64")]})
+    assert simple.status_code == 400 and "input_ids.0.0: Input should be a valid integer" in simple.json()["error"]
+    assert v2.status_code == 400 and "data must be integers, got bool values" in v2.json()["error"]
+
+
+@pytest.mark.parametrize("big", [2**63, 2**64 + 5, -(2**63) - 1])
+def test_an_id_past_int64_is_reported_as_sent_not_wrapped(service, big):
+    with service.client() as c:
+        simple = c.post(PREDICT, json={"input_ids": [[1, big]]})
+        tensor = {"name": "input_ids", "datatype": "INT64", "shape": [1, 2], "data": [1, big]}  # ints as sent
+        v2 = c.post(INFER, json={"inputs": [tensor]})
+    for r in (simple, v2):
+        assert r.status_code == 400 and f"input_ids: {big} is outside the int64 range" in r.json()["error"], r.text
+
+
+def test_a_long_model_name_is_not_echoed_whole(service):
+    name = "m" * 10_000
+    with service.client() as c:
+        r = c.post(f"/v1/models/{name}/predict", json={"text": "a"})
+    error = r.json()["error"]
+    assert r.status_code == 404 and f"unknown model '{'m' * 80}...'" in error and len(error) < 300
+
+
+def test_not_ready_reasons_name_the_model_folder_never_a_server_path(limited_service):
+    with limited_service.client() as c:
+        errors = [m.get("error", "") for m in c.get("/v1/models").json()["models"]]
+        errors += [c.get(f"/v2/models/{name}/ready").json()["error"] for name in BROKEN]
+    root = str(limited_service.models_dir)
+    assert "model 'mha-missing': mha-missing/model.onnx is missing" in errors
+    assert any("ONNX Runtime cannot load mha-corrupt/model.onnx" in e for e in errors), errors
+    assert not any(root in e or "/tmp/" in e for e in errors), errors
+
+
+def test_expect_100_continue_over_the_body_limit_gets_413_before_any_100_continue(service):
+    """Through Serve's proxy (as on a cluster), which keeps the default 1 MiB body limit."""
+    sock = _raw_post(service.base_url, PREDICT, "Content-Length: 2000000\r\nExpect: 100-continue\r\n", b"")
+    with sock:
+        answer = b"".join(iter(lambda: sock.recv(65536), b""))  # the server closes after a refusal
+    assert answer.startswith(b"HTTP/1.1 413") and b"100 Continue" not in answer, answer[:200]
+    assert b"over the limit of 1048576 bytes" in answer

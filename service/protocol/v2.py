@@ -21,29 +21,94 @@ MODEL_VERSION = "1"
 KNOWN_INPUTS = (INPUT_IDS, ATTENTION_MASK, TEXT)
 
 
+INT_SCHEMA = {"minimum": 0}  # schema-only hints: the service checks these itself, naming the problem
+
+
 class RequestInput(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    name: str
-    shape: list[int]
-    datatype: str
+    """One input tensor: `input_ids` / `attention_mask` INT64 [B, T], or `text` BYTES [B]; flat row-major `data`."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    name: str = Field(json_schema_extra={"enum": list(KNOWN_INPUTS)})
+    shape: list[int] = Field(json_schema_extra={"items": {"type": "integer", **INT_SCHEMA}})
+    datatype: str = Field(json_schema_extra={"enum": ["INT64", "BYTES"]})
     parameters: dict[str, Any] | None = None
     data: Any = None
 
 
 class RequestOutput(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    name: str
+    model_config = ConfigDict(extra="allow", strict=True)
+    name: str = Field(json_schema_extra={"enum": [LOGITS]})
     parameters: dict[str, Any] | None = None
 
 
 class InferRequest(BaseModel):
     """The v2 inference request; unknown top-level keys are tolerated, as the protocol allows extensions."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     id: str | None = None
     parameters: dict[str, Any] | None = None
     inputs: list[RequestInput] = Field(min_length=1)
     outputs: list[RequestOutput] | None = None
+
+
+class Live(BaseModel):
+    """The server is up."""
+
+    live: bool
+
+
+class Ready(BaseModel):
+    """Every model is ready (503 with `error` otherwise, and while shutting down)."""
+
+    ready: bool
+
+
+class ServerMetadata(BaseModel):
+    """The server's name and version."""
+
+    name: str
+    version: str
+    extensions: list[str]
+
+
+class TensorMetadata(BaseModel):
+    name: str
+    datatype: str
+    shape: list[int]  # -1: dynamic
+
+
+class ModelMetadataResponse(BaseModel):
+    """The model's inputs and outputs, and its head configuration under `parameters`."""
+
+    name: str
+    versions: list[str]
+    platform: str
+    inputs: list[TensorMetadata]
+    outputs: list[TensorMetadata]
+    parameters: dict[str, Any]
+
+
+class ModelReady(BaseModel):
+    """The model is ready (503 with `error` otherwise)."""
+
+    name: str
+    ready: bool
+
+
+class ResponseOutput(BaseModel):
+    name: str
+    datatype: str
+    shape: list[int]
+    data: list[float]
+
+
+class InferResponse(BaseModel):
+    """`logits` FP32 [B, C] as flat row-major data; the request's `id` echoed when it had one."""
+
+    model_name: str
+    model_version: str
+    id: str | None = None
+    outputs: list[ResponseOutput]
 
 
 def _tensor(inputs: dict[str, RequestInput], name: str, datatype: str) -> RequestInput | None:
