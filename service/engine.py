@@ -40,7 +40,7 @@ class EngineSettings:
     backend: str  # auto, cpu or gpu: what was asked for
     threads: int  # ORT intra-op threads
     policy: BatchPolicy
-    spinning: bool = True  # ORT's intra-op threads spin-wait between runs (faster at c=1, burns CPU when busy)
+    spinning: bool = False  # ORT's intra-op threads spin-wait between runs (CPU the HTTP side loses when busy)
 
     @classmethod
     def of(cls, settings: DeploymentSettings, backend: str) -> EngineSettings:
