@@ -71,14 +71,14 @@ def head_sweep(tmp_path_factory):
     return model, path, ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
 
 
-def test_every_head_count_is_one_fused_node_with_its_own_num_heads(head_sweep):
+def test_every_multi_head_count_is_one_fused_node_with_its_own_num_heads_and_one_head_stays_unfused(head_sweep):
     _, path, _ = head_sweep
     nodes = [n for n in _graph(path).node if n.op_type == "Attention"]
     assert all(n.domain == "com.microsoft" for n in nodes)
     attributes = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute} for n in nodes]
-    assert sorted(a["num_heads"] for a in attributes) == sorted([*ALL_HEADS, 4])
+    assert sorted(a["num_heads"] for a in attributes) == sorted([h for h in ALL_HEADS if h > 1] + [4])
     assert [a.get("unidirectional", 0) for a in attributes].count(1) == 1  # the causal layer
-    assert not any(n.op_type == "Softmax" for n in _graph(path).node)
+    assert sum(n.op_type == "Softmax" for n in _graph(path).node) == 1  # the single-head layer's, unfused
     assert _meta(path).attention_kernel == FUSED_KERNEL
 
 
@@ -110,7 +110,7 @@ def test_exported_model_runs_attention_fused_and_its_attention_variant_unfused(t
 
 @pytest.mark.parametrize(
     ("h", "head_dim", "causal", "bias"),
-    [(1, None, False, True), (3, 16, False, True), (4, None, True, True), (8, None, False, False)],
+    [(2, None, False, True), (3, 16, False, True), (4, None, True, True), (8, None, False, False)],
 )
 def test_the_custom_op_in_torch_equals_the_layer(h, head_dim, causal, bias):
     torch.manual_seed(h)
@@ -128,10 +128,12 @@ def test_the_custom_op_in_torch_equals_the_layer(h, head_dim, causal, bias):
     assert y.shape == (3, 9, layer.inner_dim)
 
 
-def test_a_training_layer_or_a_weights_request_is_not_fused():
+def test_a_training_layer_or_a_single_head_or_a_weights_request_is_not_fused():
     layer = MultiHeadAttention(16, 2)
     with fused_layers(layer) as count:
         assert count == 0 and layer.export_kernel is None
+    with fused_layers(MultiHeadAttention(16, 1).eval()) as count:
+        assert count == 0
     layer.eval()
     x = torch.randn(1, 4, 16)
     with fused_layers(layer), torch.no_grad():
