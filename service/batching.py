@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from export.tokenizer import PAD_ID
-from service.errors import OverCapacityError
+from service.errors import ModelQueueFullError
 
 RunFn = Callable[[np.ndarray, np.ndarray], np.ndarray]  # (N, T) ids, (N, T) mask -> (N, C) logits
 BatchHook = Callable[[int, int, float, list[float]], None]  # rows, padded tokens, run seconds, queue wait per request
@@ -90,16 +90,12 @@ class DynamicBatcher:
         self._grown = asyncio.Event()  # set when a request joins the wait list (for max_wait_s)
         self._runner: asyncio.Task | None = None
 
-    @property
-    def queued(self) -> int:
-        return len(self._waiting)
-
     async def infer(self, ids: np.ndarray, mask: np.ndarray) -> BatchResult:
         """(n, T) ids and mask -> this request's result; more rows than a batch holds run as several chunks."""
         step = self._policy.max_batch_size
         starts = range(0, ids.shape[0], step)
         if len(self._waiting) + len(starts) > self._policy.max_queued_requests:
-            raise OverCapacityError(f"model {self.name!r} is over capacity (its queue is full); retry later")
+            raise ModelQueueFullError(self.name)
         if len(starts) == 1:
             return await self._enqueue(ids, mask)
         parts = await asyncio.gather(*[self._enqueue(ids[i : i + step], mask[i : i + step]) for i in starts])

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,11 +18,7 @@ from pathlib import Path
 
 import yaml
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from service.ports import free_port
 
 
 def descendants(pid: int) -> list[int]:

@@ -22,7 +22,8 @@ import numpy as np
 
 from export.metadata import MODEL_FILE, config_name
 from service.bench_client import LoadResult, load, post_bytes
-from service.bench_server import ServerProcess, cpu_seconds, free_port
+from service.bench_server import ServerProcess, cpu_seconds
+from service.ports import free_port
 from service.runtime import load_runtime
 from service.stage_profile import stage_shares, table
 

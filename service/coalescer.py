@@ -14,7 +14,7 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
-from service.errors import OverCapacityError, ReplicaLostError
+from service.errors import ModelQueueFullError, ReplicaLostError
 
 Waiting = tuple[np.ndarray, np.ndarray, asyncio.Future]
 
@@ -36,7 +36,7 @@ class Coalescer:
     async def infer(self, ids: np.ndarray, mask: np.ndarray):
         """(n, T) ids and mask -> the model's BatchResult for these rows."""
         if len(self._waiting) >= self._max_queued:
-            raise OverCapacityError(f"model {self.name!r} is over capacity (its queue is full); retry later")
+            raise ModelQueueFullError(self.name)
         future = asyncio.get_running_loop().create_future()
         self._waiting.append((ids, mask, future))
         self._wake.set()
@@ -64,7 +64,7 @@ class Coalescer:
         try:
             results = await self._handle.infer_many.remote([(ids, mask) for ids, mask, _ in group])
         except BackPressureError:
-            error = OverCapacityError(f"model {self.name!r} is over capacity (its queue is full); retry later")
+            error = ModelQueueFullError(self.name)
             for *_, future in group:
                 _fail(future, error)
         except RayActorError:  # the replica died: Serve starts another, the group's requests may retry

@@ -78,6 +78,13 @@ class OverCapacityError(RetryLaterError):
     """503: the server's or the model's bounded queue is full; retry later."""
 
 
+class ModelQueueFullError(OverCapacityError):
+    """503: one model's bounded queue (its batcher's, the ingress's coalescer's or its replica's) is full."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"model {model!r} is over capacity (its queue is full); retry later")
+
+
 class ReplicaLostError(RetryLaterError):
     """503: the model's replica died while answering (Serve starts another); retry later."""
 

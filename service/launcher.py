@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {name}: {_first_reason(RuntimeError(message))}", file=sys.stderr)
         return 1
     finally:
-        shutdown()
+        stop_ray()  # Serve goes with Ray: after `drain`, Serve's own slower shutdown would save nothing
 
 
 def _failures() -> dict[str, str]:
@@ -264,11 +264,6 @@ def ray_started() -> bool:
     import ray
 
     return ray.is_initialized()
-
-
-def shutdown() -> None:
-    """Ray goes down with Serve in it: after `drain`, nothing is left that Serve's own slower shutdown would save."""
-    stop_ray()
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from service.attention_api import AttentionResult
 from service.batching import BatchResult
 from service.coalescer import Coalescer
 from service.engine import ModelEngine, ModelStatus
-from service.errors import OverCapacityError, ReplicaLostError
+from service.errors import ModelQueueFullError, ReplicaLostError
 
 STATUS_TIMEOUT_S = 5.0  # a model deployment without a live replica answers nothing; say so instead of hanging
 
@@ -80,7 +80,7 @@ class Remote:
         try:
             return await self._handle.infer.remote(ids, mask)
         except BackPressureError as exc:
-            raise OverCapacityError(f"model {self.name!r} is over capacity (its queue is full); retry later") from exc
+            raise ModelQueueFullError(self.name) from exc
         except RayActorError as exc:
             raise ReplicaLostError(self.name) from exc
 
