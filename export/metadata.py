@@ -19,7 +19,17 @@ ATTENTION_WEIGHTS = "attention_weights"  # only in the attention variant of a mo
 MODEL_FILE = "model.onnx"
 ATTENTION_MODEL_FILE = "model.attn.onnx"
 CONFIG_FILE = "config.json"
-_OPTIONAL_KEYS = ("tokenizer", "ff_dim", "task", "exporter", "attention_kernel")  # have defaults; others are required
+_OPTIONAL_KEYS = (  # have defaults; others are required
+    "tokenizer",
+    "ff_dim",
+    "task",
+    "exporter",
+    "attention_kernel",
+    "layer_heads",
+    "removed_heads",
+    "pruned_from",
+)
+_JSON_KEYS = ("labels", "exporter", "layer_heads", "removed_heads")  # stored as JSON in metadata_props
 
 
 class MetadataError(ValueError):
@@ -57,6 +67,9 @@ class ModelMetadata:
     task: str = ""
     exporter: dict[str, str] = field(default_factory=dict)  # versions: torch, onnx, opset, mha_serving
     attention_kernel: str = ""  # what runs attention in the graph (export/fused_attention.py); "": not recorded
+    layer_heads: tuple[int, ...] = ()  # heads per layer when they differ from `heads` (pruned); (): all have `heads`
+    removed_heads: tuple[tuple[int, ...], ...] = ()  # per layer, the original indices of the heads pruned away
+    pruned_from: str = ""  # the model this one was pruned from; "": not pruned
 
     def __post_init__(self) -> None:
         problems = []
@@ -70,8 +83,34 @@ class ModelMetadata:
             problems.append(f"tokenizer={self.tokenizer!r} is not one of {TOKENIZER_KINDS}")
         if not self.name or "/" in self.name or self.name.startswith("."):
             problems.append(f"name={self.name!r} is not a valid model name")
+        problems += self._pruning_problems()
         if problems:
             raise MetadataError("inconsistent model metadata: " + "; ".join(problems))
+
+    def _pruning_problems(self) -> list[str]:
+        if not self.layer_heads and not self.removed_heads:
+            return []
+        problems = []
+        if self.layer_heads and (
+            len(self.layer_heads) != self.layers
+            or any(isinstance(h, bool) or not isinstance(h, int) or h < 1 for h in self.layer_heads)
+            or max(self.layer_heads) != self.heads
+        ):
+            problems.append(f"layer_heads={list(self.layer_heads)} must be {self.layers} counts >= 1 with max heads")
+        if self.removed_heads and len(self.removed_heads) != self.layers:
+            problems.append(f"removed_heads has {len(self.removed_heads)} entries for layers={self.layers}")
+        return problems
+
+    @property
+    def heads_per_layer(self) -> tuple[int, ...]:
+        """The number of heads of each layer (a pruned model's layers may differ)."""
+        return tuple(self.layer_heads) if self.layer_heads else (self.heads,) * self.layers
+
+    @property
+    def heads_label(self) -> str:
+        """`heads` as a metric label: "8", or the per-layer counts "8,6,4,5" when a pruned model's layers differ."""
+        per_layer = self.heads_per_layer
+        return str(per_layer[0]) if len(set(per_layer)) == 1 else ",".join(map(str, per_layer))
 
     @property
     def attention_dim(self) -> int:
@@ -83,10 +122,10 @@ class ModelMetadata:
         props = {"mha_serving.schema": SCHEMA_VERSION}
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name == "labels":
-                props[f.name] = json.dumps(list(value))
-            elif f.name == "exporter":
+            if f.name == "exporter":
                 props[f.name] = json.dumps(dict(value), sort_keys=True)
+            elif f.name in _JSON_KEYS:
+                props[f.name] = json.dumps(_lists(value))
             else:
                 props[f.name] = str(value)
         return props
@@ -115,16 +154,32 @@ class ModelMetadata:
                     values[f.name] = tuple(labels)
                 elif f.name == "exporter":
                     values[f.name] = {str(k): str(v) for k, v in json.loads(raw).items()}
+                elif f.name == "layer_heads":
+                    values[f.name] = _int_tuple(json.loads(raw))
+                elif f.name == "removed_heads":
+                    values[f.name] = tuple(_int_tuple(layer) for layer in json.loads(raw))
                 elif f.type in ("int", int):
                     values[f.name] = int(raw)
                 else:
                     values[f.name] = raw
-            except (ValueError, AttributeError) as exc:
+            except (ValueError, AttributeError, TypeError) as exc:
                 raise MetadataError(f"metadata key {f.name!r} has a malformed value {raw!r}: {exc}") from exc
         return cls(**values)  # type: ignore[arg-type]
 
     def to_json(self) -> dict[str, object]:
         """The human-readable form written next to the model as config.json (and served by the API)."""
         out = asdict(self)
-        out["labels"] = list(self.labels)
+        for key in _JSON_KEYS:
+            out[key] = _lists(out[key])
         return out
+
+
+def _lists(value: object) -> object:
+    """Tuples (nested) as lists, for JSON."""
+    return [_lists(v) for v in value] if isinstance(value, tuple | list) else value
+
+
+def _int_tuple(value: object) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise ValueError("not a JSON list of integers")
+    return tuple(value)

@@ -32,7 +32,7 @@ def model_labels(meta: ModelMetadata | None, backend: str, name: str = UNKNOWN_M
         return {"model": name, "heads": "", "head_dim": "", "d_model": "", "backend": backend}
     return {
         "model": meta.name,
-        "heads": str(meta.heads),
+        "heads": meta.heads_label,  # "8"; a pruned model whose layers differ: per layer, "8,6,4,5"
         "head_dim": str(meta.head_dim),
         "d_model": str(meta.d_model),
         "backend": backend,

@@ -29,7 +29,13 @@ def test_predict_one_text_answers_label_probabilities_and_head_configuration(ser
     _check_prediction(out, bare_logits(service.models_dir, name, ids, mask))
     heads = int(name.split("-h")[1].split("-")[0])
     assert out["model"] == name and out["backend"] == "cpu"
-    assert out["config"] == {"heads": heads, "head_dim": 32 // heads, "d_model": 32, "layers": 1}
+    assert out["config"] == {
+        "heads": heads,
+        "head_dim": 32 // heads,
+        "d_model": 32,
+        "layers": 1,
+        "layer_heads": [heads],
+    }
     assert out["label"] == out["predicted"][0]
 
 

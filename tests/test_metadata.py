@@ -109,3 +109,33 @@ def test_json_form_holds_every_field_and_attention_dim_is_h_times_head_dim():
     assert set(data) == {f.name for f in dataclasses.fields(ModelMetadata)}
     assert data["labels"] == ["a", "b", "c"]
     assert meta.attention_dim == 32
+
+
+def test_a_pruned_models_heads_per_layer_and_removed_heads_round_trip_through_props_and_json():
+    meta = _meta(layer_heads=(4, 2), removed_heads=((), (0, 3)), pruned_from="mha-h4-d64")
+    assert ModelMetadata.from_props(meta.to_props()) == meta
+    assert meta.to_json()["layer_heads"] == [4, 2] and meta.to_json()["removed_heads"] == [[], [0, 3]]
+    assert meta.heads_per_layer == (4, 2) and _meta().heads_per_layer == (4, 4)
+
+
+@pytest.mark.parametrize(("layer_heads", "label"), [((), "4"), ((3, 3), "3"), ((4, 2), "4,2"), ((1, 4), "1,4")])
+def test_heads_label_is_the_count_or_the_per_layer_counts_when_layers_differ(layer_heads, label):
+    heads = max(layer_heads) if layer_heads else 4
+    assert _meta(heads=heads, layer_heads=layer_heads).heads_label == label
+
+
+@pytest.mark.parametrize(
+    ("key", "raw", "words"),
+    [
+        ("layer_heads", "[4]", "layer_heads=[4]"),  # one count for two layers
+        ("layer_heads", "[2, 3]", "layer_heads=[2, 3]"),  # the widest layer is not `heads`
+        ("layer_heads", "[4, 0]", "layer_heads=[4, 0]"),
+        ("layer_heads", '["4", 2]', "'layer_heads'"),
+        ("removed_heads", "[[1]]", "removed_heads has 1 entries"),
+    ],
+)
+def test_inconsistent_per_layer_heads_are_a_metadata_error_naming_them(key, raw, words):
+    props = _meta().to_props()
+    props[key] = raw
+    with pytest.raises(MetadataError, match=re.escape(words)):
+        ModelMetadata.from_props(props)

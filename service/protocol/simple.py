@@ -39,10 +39,11 @@ class PredictRequest(BaseModel):
 
 
 class HeadConfig(BaseModel):
-    heads: int
+    heads: int  # the widest layer's, when a pruned model's layers differ
     head_dim: int
     d_model: int
     layers: int
+    layer_heads: list[int]  # heads per layer
 
 
 class Timing(BaseModel):
@@ -75,6 +76,7 @@ class ModelInfo(BaseModel):
     head_dim: int | None = None
     d_model: int | None = None
     layers: int | None = None
+    layer_heads: list[int] | None = None
     max_len: int | None = None
     vocab_size: int | None = None
     labels: list[str] | None = None
@@ -113,8 +115,9 @@ def softmax(logits: np.ndarray) -> np.ndarray:
     return shifted / shifted.sum(axis=1, keepdims=True)
 
 
-def head_config(meta: ModelMetadata) -> dict[str, int]:
-    return {"heads": meta.heads, "head_dim": meta.head_dim, "d_model": meta.d_model, "layers": meta.layers}
+def head_config(meta: ModelMetadata) -> dict[str, Any]:
+    config = {"heads": meta.heads, "head_dim": meta.head_dim, "d_model": meta.d_model, "layers": meta.layers}
+    return {**config, "layer_heads": list(meta.heads_per_layer)}
 
 
 def predict_response(
