@@ -1,9 +1,10 @@
-"""The multi-head attention layer: fused QKV projection, SDPA kernel, padding and causal masks, weights on demand."""
+"""The multi-head attention layer: fused QKV projection, SDPA kernel, padding and causal masks, weights on demand,
+a gate on each head's output (importance scores, masking) and a copy with fewer heads (pruning)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +47,8 @@ class MultiHeadAttention(nn.Module):
     """Self-attention with `h` heads of size `head_dim` (default d_model // h; h * head_dim may differ from d_model).
 
     forward(x, key_padding_mask) -> (out, weights): x (B, T, d_model); key_padding_mask (B, T) with 1 = token,
-    0 = padding; out (B, T, d_model); weights (B, h, T, T) when need_weights, else None.
+    0 = padding; out (B, T, d_model); weights (B, h, T, T) when need_weights, else None. While `head_gate` is set
+    ((h,) or (B, h)), each head's output is multiplied by its gate before the output projection (0 masks the head).
     """
 
     def __init__(
@@ -68,6 +70,7 @@ class MultiHeadAttention(nn.Module):
         self.qkv = nn.Linear(d_model, 3 * self.inner_dim, bias=bias)  # fused: [q; k; v] like nn.MultiheadAttention
         self.out = nn.Linear(self.inner_dim, d_model, bias=bias)
         self.export_kernel: Callable[..., torch.Tensor] | None = None  # set while exporting (export/fused_attention.py)
+        self.head_gate: torch.Tensor | None = None  # set while scoring or masking heads (export/importance.py)
 
     def forward(
         self,
@@ -75,7 +78,7 @@ class MultiHeadAttention(nn.Module):
         key_padding_mask: torch.Tensor | None = None,
         need_weights: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if self.export_kernel is not None and not need_weights:  # one fused node in the exported graph
+        if self.export_kernel is not None and not need_weights and self.head_gate is None:  # one fused node
             y = self.export_kernel(x, self.qkv.weight, self.qkv.bias, key_padding_mask, self.h, self.causal)
             return self.out(y), None  # y: (B, T, h*hs)
         B, T, _ = x.shape
@@ -90,6 +93,8 @@ class MultiHeadAttention(nn.Module):
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)  # (B, h, T, hs)
             weights = None
+        if self.head_gate is not None:
+            y = y * self.head_gate.reshape(-1, self.h, 1, 1)  # (B, h, T, hs) x (B or 1, h, 1, 1)
         y = y.transpose(1, 2).reshape(B, T, self.inner_dim)  # (B, T, h*hs)
         return self.out(y), weights
 
@@ -103,6 +108,26 @@ class MultiHeadAttention(nn.Module):
             weights = weights.masked_fill(~mask, 0.0)  # a query with no key to attend gets zeros, as SDPA gives
         y = F.dropout(weights, p=p) @ v  # (B, h, T, hs)
         return y, weights
+
+    @torch.no_grad()
+    def keep_heads(self, heads: Sequence[int]) -> MultiHeadAttention:
+        """A new layer with only `heads` (indices into this layer's, in that order): smaller QKV and output
+        projections, the same head_dim. Its output equals this layer's with every other head's gate at 0."""
+        heads = list(heads)
+        if not heads or len(set(heads)) != len(heads) or any(not 0 <= i < self.h for i in heads):
+            raise ValueError(f"heads to keep must be distinct indices in [0, {self.h}), at least one; got {heads}")
+        bias = self.qkv.bias is not None
+        layer = MultiHeadAttention(self.d_model, len(heads), self.head_dim, self.dropout, bias, self.causal)
+        index = torch.tensor(heads)
+        qkv = self.qkv.weight.view(3, self.h, self.head_dim, self.d_model)  # (3, h, hs, D)
+        layer.qkv.weight.copy_(qkv[:, index].reshape(3 * layer.inner_dim, self.d_model))  # (3 h' hs, D)
+        out = self.out.weight.view(self.d_model, self.h, self.head_dim)  # (D, h, hs)
+        layer.out.weight.copy_(out[:, index].reshape(self.d_model, layer.inner_dim))  # (D, h' hs)
+        if bias:
+            qkv_bias = self.qkv.bias.view(3, self.h, self.head_dim)  # (3, h, hs)
+            layer.qkv.bias.copy_(qkv_bias[:, index].reshape(3 * layer.inner_dim))  # (3 h' hs,)
+            layer.out.bias.copy_(self.out.bias)
+        return layer
 
     @torch.no_grad()
     def load_from_torch(self, mha: nn.MultiheadAttention) -> MultiHeadAttention:

@@ -151,11 +151,13 @@ def export_model(
     atol: float = 1e-4,
     overwrite: bool = True,
     fuse_attention: bool = True,
+    extras: dict[str, bytes] | None = None,
 ) -> ExportResult:
     """Export `model` to `out_dir/<meta.name>/` (model.onnx, config.json; model.attn.onnx with a variant).
 
     model.onnx runs attention as one fused node per layer (export/fused_attention.py); `fuse_attention=False` exports
-    it unfused, as before (the kernel benchmark's baseline). The metadata's attention_kernel says which.
+    it unfused, as before (the kernel benchmark's baseline). The metadata's attention_kernel says which. `extras`
+    (file name -> contents: a training record, a checkpoint) are written into the folder with the rest.
 
     Everything is built in a temporary folder beside the target and moved into place only after the parity gate
     passes, so a failed export never leaves a half-written model folder behind.
@@ -183,7 +185,9 @@ def export_model(
             max_diff = max(max_diff, parity.check(attention_variant, staging / ATTENTION_MODEL_FILE, meta, atol=atol))
         params = sum(p.numel() for p in model.parameters())
         (staging / CONFIG_FILE).write_text(json.dumps({**meta.to_json(), "params": params}, indent=2) + "\n")
-        _move_into_place(staging, target)
+        for file_name, contents in (extras or {}).items():
+            (staging / file_name).write_bytes(contents)
+        move_into_place(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -191,7 +195,7 @@ def export_model(
     return ExportResult(meta.name, target, params, file_bytes, max_diff, time.perf_counter() - start, meta)
 
 
-def _move_into_place(staging: Path, target: Path) -> None:
+def move_into_place(staging: Path, target: Path) -> None:
     """Rename staging to target; an existing target is renamed aside first, so readers never see a partial folder."""
     if not target.exists():
         os.replace(staging, target)

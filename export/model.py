@@ -27,6 +27,9 @@ class EncoderConfig:
     causal: bool = False
     task: str = ""  # the built-in task it was trained on, "" if untrained
     name_prefix: str = "mha"
+    layer_heads: tuple[int, ...] | None = None  # None: every layer has `heads`; else one count per layer (pruned)
+    removed_heads: tuple[tuple[int, ...], ...] = ()  # per layer, the original indices of the heads pruned away
+    pruned_from: str = ""  # the name of the model it was pruned from; "": not pruned
 
     def __post_init__(self) -> None:
         resolve_head_dim(self.d_model, self.heads, self.head_dim)  # raises a ValueError naming the numbers
@@ -42,6 +45,19 @@ class EncoderConfig:
             raise ValueError(f"dropout must be in [0, 1), got dropout={self.dropout!r}")
         if len(self.labels) != self.num_classes:
             raise ValueError(f"{len(self.labels)} labels given for num_classes={self.num_classes}")
+        if self.layer_heads is not None and (
+            len(self.layer_heads) != self.layers
+            or any(isinstance(h, bool) or not isinstance(h, int) or h < 1 for h in self.layer_heads)
+            or max(self.layer_heads) != self.heads
+        ):
+            raise ValueError(
+                f"layer_heads={self.layer_heads!r} needs one count >= 1 per layer (layers={self.layers}), "
+                f"the largest equal to heads={self.heads}"
+            )
+
+    def heads_of(self, layer: int) -> int:
+        """The number of heads of layer `layer` (pruned layers may have fewer than `heads`)."""
+        return self.heads if self.layer_heads is None else self.layer_heads[layer]
 
     @property
     def resolved_head_dim(self) -> int:
@@ -53,6 +69,9 @@ class EncoderConfig:
 
     @property
     def name(self) -> str:
+        """`mha-h8-d128`; a pruned model adds the heads kept per layer to its source's name: `mha-h8-d128-keep6-5`."""
+        if self.pruned_from:
+            return f"{self.pruned_from}-keep" + "-".join(str(self.heads_of(i)) for i in range(self.layers))
         return config_name(self.heads, self.d_model, self.resolved_head_dim, prefix=self.name_prefix)
 
     def metadata(self, exporter: dict[str, str] | None = None) -> ModelMetadata:
@@ -70,6 +89,9 @@ class EncoderConfig:
             ff_dim=self.resolved_ff_dim,
             task=self.task,
             exporter=dict(exporter or {}),
+            layer_heads=tuple(self.layer_heads or ()),
+            removed_heads=tuple(tuple(layer) for layer in self.removed_heads),
+            pruned_from=self.pruned_from,
         )
 
 
@@ -87,11 +109,15 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-LN encoder block: x + attn(ln(x)), then x + mlp(ln(x))."""
 
-    def __init__(self, config: EncoderConfig) -> None:
+    def __init__(self, config: EncoderConfig, layer: int = 0) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.d_model)
         self.attn = MultiHeadAttention(
-            config.d_model, config.heads, config.head_dim, dropout=config.dropout, causal=config.causal
+            config.d_model,
+            config.heads_of(layer),
+            config.resolved_head_dim,
+            dropout=config.dropout,
+            causal=config.causal,
         )
         self.ln_2 = nn.LayerNorm(config.d_model)
         self.mlp = MLP(config)
@@ -112,7 +138,7 @@ class EncoderClassifier(nn.Module):
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
         self.pos_emb = nn.Embedding(config.max_len, config.d_model)
         self.drop = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList([Block(config) for _ in range(config.layers)])
+        self.blocks = nn.ModuleList([Block(config, i) for i in range(config.layers)])
         self.ln_f = nn.LayerNorm(config.d_model)
         self.head = nn.Linear(config.d_model, config.num_classes)
         self.apply(self._init_weights)
@@ -132,6 +158,8 @@ class EncoderClassifier(nn.Module):
 
     def forward_with_attention(self, input_ids, attention_mask, need_weights: bool = True):
         """logits (B, C) and, when need_weights, per-layer weights stacked as (B, layers, h, T, T)."""
+        if need_weights and self.config.layer_heads is not None and len(set(self.config.layer_heads)) > 1:
+            raise ValueError(f"{self.config.name}: layers with different head counts have no stacked weights")
         T = input_ids.shape[1]
         pos = torch.arange(T, device=input_ids.device)  # (T,)
         x = self.drop(self.tok_emb(input_ids) + self.pos_emb(pos)[None])  # (B, T, d_model)

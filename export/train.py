@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from export.checkpoint import CHECKPOINT_FILE, checkpoint_bytes
 from export.convert import ExportResult, export_model, exporter_versions
 from export.model import AttentionOutputs, EncoderClassifier, EncoderConfig
 from export.tasks import DEFAULT_TASK, Task, get_task
@@ -137,7 +138,7 @@ def lr_at(step: int, config: TrainConfig) -> float:
     return config.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def _batches(n: int, batch_size: int, generator: torch.Generator):
+def batches(n: int, batch_size: int, generator: torch.Generator):
     """Endless random batches of row indices, a fresh permutation each epoch."""
     while True:
         order = torch.randperm(n, generator=generator)
@@ -145,7 +146,7 @@ def _batches(n: int, batch_size: int, generator: torch.Generator):
             yield order[start : start + batch_size]
 
 
-def _trimmed(split: Split, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def trimmed(split: Split, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The rows, cut to the batch's longest sequence (attention cost grows with T^2)."""
     mask = split.mask[rows]  # (B, T)
     width = int(mask.sum(dim=1).max())
@@ -158,7 +159,7 @@ def evaluate(model: EncoderClassifier, split: Split, batch_size: int = 1024) -> 
     model.eval()
     total_loss, correct, n = 0.0, 0, len(split.labels)
     for start in range(0, n, batch_size):
-        ids, mask, labels = _trimmed(split, torch.arange(start, min(n, start + batch_size)))
+        ids, mask, labels = trimmed(split, torch.arange(start, min(n, start + batch_size)))
         logits = model(ids, mask)  # (B, C)
         total_loss += float(F.cross_entropy(logits, labels, reduction="sum"))
         correct += int((logits.argmax(dim=1) == labels).sum())
@@ -175,7 +176,7 @@ def train(config: TrainConfig, log: Callable[[str], None] | None = print) -> Tra
     if len(train_split.labels) < config.batch_size:
         raise ValueError(f"{len(train_split.labels)} training examples, fewer than batch_size={config.batch_size}")
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-    batches = _batches(len(train_split.labels), config.batch_size, torch.Generator().manual_seed(config.seed))
+    order = batches(len(train_split.labels), config.batch_size, torch.Generator().manual_seed(config.seed))
     tracker = _Tracker(config, log)
     start = time.perf_counter()
     model.train()
@@ -183,7 +184,7 @@ def train(config: TrainConfig, log: Callable[[str], None] | None = print) -> Tra
         lr = lr_at(step, config)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        ids, mask, labels = _trimmed(train_split, next(batches))
+        ids, mask, labels = trimmed(train_split, next(order))
         logits = model(ids, mask)  # (B, C)
         loss = F.cross_entropy(logits, labels)
         optimizer.zero_grad(set_to_none=True)
@@ -249,11 +250,14 @@ class _Tracker:
 
 def export_trained(result: TrainResult, out_dir: Path, attention: bool = True) -> ExportResult:
     """Export a trained model through the normal path (parity gate, metadata with the task's labels) plus its
-    training record (training.json); with `attention`, also model.attn.onnx for attention maps."""
+    training record (training.json) and torch checkpoint (checkpoint.pt, for `mha-serving heads` and `prune`);
+    with `attention`, also model.attn.onnx for attention maps."""
     task = get_task(result.config.task)
     meta = result.config.model_config(task).metadata(exporter_versions())
     variant = AttentionOutputs(result.model) if attention else None
-    exported = export_model(result.model, meta, Path(out_dir), attention_variant=variant)
     record = {"task": task.name, "labels": list(task.labels), **result.to_json()}
-    (exported.folder / TRAINING_FILE).write_text(json.dumps(record, indent=2) + "\n")
-    return exported
+    extras = {
+        TRAINING_FILE: (json.dumps(record, indent=2) + "\n").encode(),
+        CHECKPOINT_FILE: checkpoint_bytes(result.model, asdict(result.config)),
+    }
+    return export_model(result.model, meta, Path(out_dir), attention_variant=variant, extras=extras)

@@ -142,3 +142,41 @@ def test_causal_mask_hides_later_tokens(h):
     torch.testing.assert_close(out_changed[:, :5], out[:, :5], atol=1e-5, rtol=1e-5)
     assert not torch.allclose(out_changed[:, 5:], out[:, 5:])
     assert torch.all(weights.triu(diagonal=1) == 0)
+
+
+@pytest.mark.parametrize(("h", "keep"), [(2, [1]), (4, [3, 0]), (8, [0, 2, 5, 6, 7])])
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_layer_with_heads_kept_equals_the_full_layer_with_the_other_heads_gated_to_zero(h, keep, causal):
+    torch.manual_seed(h)
+    layer = MultiHeadAttention(D_MODEL, h, causal=causal).eval()
+    nn.init.normal_(layer.qkv.bias)
+    nn.init.normal_(layer.out.bias)
+    smaller = layer.keep_heads(keep)
+    assert (smaller.h, smaller.head_dim) == (len(keep), layer.head_dim)
+    assert smaller.qkv.weight.shape == (3 * len(keep) * layer.head_dim, D_MODEL)
+    assert smaller.out.weight.shape == (D_MODEL, len(keep) * layer.head_dim)
+    x, mask = _inputs()
+    layer.head_gate = torch.tensor([1.0 if i in keep else 0.0 for i in range(h)])
+    with torch.no_grad():
+        want, _ = layer(x, mask)
+        got, _ = smaller(x, mask)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+def test_a_per_example_gate_scales_each_rows_head_outputs_separately():
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(D_MODEL, 4).eval()
+    x, mask = _inputs(batch=2)
+    with torch.no_grad():
+        layer.head_gate = torch.tensor([[1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0]])  # (B, h)
+        gated, _ = layer(x, mask)
+        layer.head_gate = None
+        full, _ = layer(x, mask)
+    torch.testing.assert_close(gated[0], full[0])
+    torch.testing.assert_close(gated[1], layer.out.bias.expand_as(gated[1]))  # every head off: the bias alone
+
+
+@pytest.mark.parametrize("keep", [[], [0, 0], [4], [-1]])
+def test_keeping_no_head_a_repeated_head_or_one_out_of_range_is_refused(keep):
+    with pytest.raises(ValueError, match="distinct indices"):
+        MultiHeadAttention(D_MODEL, 4).keep_heads(keep)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -101,3 +102,35 @@ def test_configuration_is_frozen_and_metadata_follows_it():
     assert (meta.name, meta.heads, meta.head_dim, meta.d_model) == ("mha-h4-d64", 4, 16, 64)
     assert (meta.ff_dim, meta.labels, meta.task, meta.tokenizer) == (256, ("a", "b", "c"), "demo", "byte-v1")
     assert EncoderConfig(vocab_size=1000).metadata().tokenizer == "ids"
+
+
+@pytest.mark.parametrize("layer_heads", [(3, 1), (1, 3), (2, 2)])
+def test_layers_may_have_different_head_counts_of_one_head_dim(layer_heads):
+    config = EncoderConfig(heads=max(layer_heads), head_dim=8, layer_heads=layer_heads, **TINY)
+    model = EncoderClassifier(config).eval()
+    assert [block.attn.h for block in model.blocks] == list(layer_heads)
+    assert {block.attn.head_dim for block in model.blocks} == {8}
+    assert [block.attn.qkv.weight.shape[0] for block in model.blocks] == [3 * h * 8 for h in layer_heads]
+    ids = _ids(7, 1)[None]
+    assert model(ids, torch.ones_like(ids)).shape == (1, 2)
+    meta = config.metadata()
+    assert meta.heads_per_layer == layer_heads and meta.heads == max(layer_heads)
+
+
+def test_a_pruned_configuration_is_named_after_its_source_and_the_heads_each_layer_kept():
+    config = EncoderConfig(heads=3, head_dim=8, layer_heads=(3, 1), pruned_from="mha-h4-d32", **TINY)
+    assert config.name == "mha-h4-d32-keep3-1" == config.metadata().name
+    assert config.metadata().pruned_from == "mha-h4-d32"
+
+
+@pytest.mark.parametrize(("layer_heads", "heads"), [((3,), 3), ((3, 0), 3), ((2, 1), 3), ((3, 1, 1), 3)])
+def test_per_layer_heads_that_do_not_fit_the_layers_or_the_widest_layer_are_refused(layer_heads, heads):
+    with pytest.raises(ValueError, match=re.escape(f"layer_heads={layer_heads!r}")):
+        EncoderConfig(heads=heads, head_dim=8, layer_heads=layer_heads, **TINY)
+
+
+def test_attention_weights_of_layers_with_different_head_counts_are_refused_by_name():
+    config = EncoderConfig(heads=3, head_dim=8, layer_heads=(3, 1), **TINY)
+    ids = _ids(5, 2)[None]
+    with pytest.raises(ValueError, match="different head counts"):
+        EncoderClassifier(config).forward_with_attention(ids, torch.ones_like(ids))

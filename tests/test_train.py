@@ -88,6 +88,20 @@ def test_exported_trained_model_carries_the_task_labels(trained, tmp_path):
     assert record["val_acc"] == trained.val_acc and record["config"]["steps"] == 80
 
 
+def test_the_torch_checkpoint_is_kept_beside_the_export_and_loads_the_trained_model(trained, tmp_path):
+    import torch
+
+    from export.checkpoint import load_checkpoint
+
+    exported = export_trained(trained, tmp_path, attention=False)
+    checkpoint = load_checkpoint(exported.folder)
+    assert checkpoint.model.config == trained.model.config and checkpoint.training == asdict(trained.config)
+    ids = torch.randint(4, 260, (3, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        torch.testing.assert_close(checkpoint.model(ids, mask), trained.model(ids, mask), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
