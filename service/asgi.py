@@ -14,6 +14,8 @@ from service.config import RequestLimits
 from service.errors import BodyTimeoutError, BodyTooLargeError, HeadersTooLargeError, ServiceError
 from service.responses import error_response
 
+HEAD_CHECKED = "mha.head_checked"  # scope key set by service/http_server.py: the head was held to the limits already
+
 
 def route_path(scope: dict[str, Any]) -> str:
     """The request path below the application's route prefix (Serve sets it as root_path)."""
@@ -60,13 +62,14 @@ async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
 
 def over_limits(scope: dict[str, Any], limits: RequestLimits) -> ServiceError | None:
     """The error for a request whose head or announced body is over the limits, before a byte of the body is read.
-    The HTTP server (service/http_server.py) refuses heads as they arrive; this catches what came through Serve's
-    proxy, which keeps the default limits."""
+    The HTTP server (service/http_server.py) refuses heads as they arrive and marks the scope HEAD_CHECKED; this
+    catches what came through Serve's proxy, which keeps the default limits."""
     headers = scope["headers"]
-    if len(headers) > limits.max_headers:
-        return HeadersTooLargeError(f"more than {limits.max_headers} request headers")
-    if sum(len(k) + len(v) + 4 for k, v in headers) + len(scope.get("raw_path") or b"") > limits.max_header_bytes:
-        return HeadersTooLargeError(f"request headers are over the limit of {limits.max_header_bytes} bytes")
+    if not scope.get(HEAD_CHECKED):
+        if len(headers) > limits.max_headers:
+            return HeadersTooLargeError(f"more than {limits.max_headers} request headers")
+        if sum(len(k) + len(v) + 4 for k, v in headers) + len(scope.get("raw_path") or b"") > limits.max_header_bytes:
+            return HeadersTooLargeError(f"request headers are over the limit of {limits.max_header_bytes} bytes")
     length = dict(headers).get(b"content-length")
     if length is not None and length.isdigit() and int(length) > limits.max_body_bytes:
         return too_large(int(length), limits.max_body_bytes)

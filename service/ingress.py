@@ -142,7 +142,7 @@ class Ingress:
         self._metrics = IngressMetrics()
         self._gauge_refresher: asyncio.Task | None = None  # started on the replica's event loop by the first request
         limits = config.limits
-        http_server.install(limits)  # for this replica's own HTTP server (direct ingress), started after __init__
+        http_server.install(limits, watch_disconnects=True)  # this replica's own server (direct ingress), started later
         app.state.limits = limits
         app.state.model_names = list(self._models)  # the OpenAPI document's model names
         app.state.ingress = self  # FrontDoor sends the inference routes straight to this replica's handlers

@@ -125,6 +125,30 @@ def test_a_flood_past_capacity_gets_only_fast_json_503s_with_retry_after(server)
     assert p99 < 2000  # not queued behind the model (that takes seconds); the figure is printed
 
 
+def test_requests_whose_clients_went_away_are_dropped_from_their_batch(server):
+    """Three requests to SLOW (a 0.2 s batch window, 4 rows a batch) whose clients hang up while they wait, then one
+    that stays: the batch runs only the one that stays. Were the three kept, it would run four rows."""
+    body = json.dumps({"text": "gone"}).encode()
+    head = f"POST /v1/models/{SLOW}/predict HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    request = (head + f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    seen = []  # (rows of the batch, ms waited) of the request that stayed, per try
+    for _ in range(3):  # bounded; a try counts only if that request joined the window the three opened
+        gone = [socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in range(3)]
+        for sock in gone:
+            sock.sendall(request)
+        time.sleep(0.05)  # they wait in the batch window now
+        for sock in gone:
+            sock.close()
+        code, answer, _, _ = post(server.port, f"/v1/models/{SLOW}/predict", {"text": "stays"})
+        assert code == 200, answer
+        seen.append((answer["timing"]["batch_rows"], round(answer["timing"]["queue_ms"])))
+        if seen[-1][1] < 180:  # less than a window of its own (200 ms): it shared the three's window
+            break
+    print(f"\nthe request that stayed, with three clients gone (batch rows, ms queued): {seen}")
+    assert seen[-1][1] < 180, f"it never shared the window of the three: {seen}"
+    assert seen[-1][0] == 1, seen
+
+
 def _stall(port: int, count: int) -> list[socket.socket]:
     """`count` connections that each send a predict's headers and 1 byte of a 200-byte body, then nothing."""
     socks = []
