@@ -54,6 +54,13 @@ class DeploymentSettings(BaseModel):
     max_batch_size: int = Field(32, ge=1, description="rows (sequences) per ORT run")
     batch_wait_timeout_s: float = Field(0.0, ge=0, description="wait for more rows; 0: batch what queued meanwhile")
     intra_op_threads: int | None = Field(None, ge=1, description="ORT intra-op threads; None: from num_cpus")
+    light_model_threads: int | None = Field(
+        None,
+        ge=1,
+        description="ORT intra-op threads (at most) for a light model on CPU (service/engine.py LIGHT_MODEL_FLOPS: its "
+        "runs are too short for more threads to pay); None: intra_op_threads for every model. `mha-serving serve` "
+        "sets 1",
+    )
     ort_spinning: bool = Field(
         False,
         description="ORT's intra-op threads spin-wait between runs: off (measured: the spinning threads took the CPU "

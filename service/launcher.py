@@ -102,13 +102,15 @@ MAX_LOCAL_ORT_THREADS = 4  # ORT's intra-op scaling flattens past a few threads 
 def local_defaults(config: AppConfig, direct: bool) -> AppConfig:
     """What a local server sets where the config is silent (measured: README, Serve section): requests coalesced
     for models in their own deployments, and ORT intra-op threads on every core (up to 4) for each model: on one
-    machine the models share the cores, and only a busy model's threads run."""
+    machine the models share the cores, and only a busy model's threads run; one thread for a light model."""
     ingress = {} if "coalesce" in config.ingress.model_fields_set else {"coalesce": True}
     if direct:
         ingress["num_replicas"] = 1  # only one replica can hold the port
     deployment = {}
     if "intra_op_threads" not in config.deployment.model_fields_set:
         deployment["intra_op_threads"] = max(1, min(os.cpu_count() or 1, MAX_LOCAL_ORT_THREADS))
+    if "light_model_threads" not in config.deployment.model_fields_set:
+        deployment["light_model_threads"] = 1
     return config.model_copy(
         update={
             "ingress": config.ingress.model_copy(update=ingress),

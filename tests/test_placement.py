@@ -6,7 +6,10 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
+from export.metadata import ModelMetadata
+from service.batching import BatchPolicy
 from service.config import AppConfig
+from service.engine import LIGHT_MODEL_FLOPS, EngineSettings, flops_per_token
 from service.launcher import cpus_needed, local_defaults
 from service.stage_profile import classify, stage_shares
 
@@ -67,8 +70,26 @@ def test_local_defaults_fill_only_what_the_config_leaves_unset():
     filled = local_defaults(AppConfig(), direct=True)
     assert filled.ingress.coalesce and filled.ingress.num_replicas == 1
     assert 1 <= filled.deployment.intra_op_threads <= 4
+    assert filled.deployment.light_model_threads == 1
     kept = local_defaults(AppConfig(deployment={"intra_op_threads": 3}, ingress={"coalesce": False}), direct=False)
     assert kept.deployment.intra_op_threads == 3 and not kept.ingress.coalesce
+
+
+def _meta(d_model: int, layers: int) -> ModelMetadata:
+    return ModelMetadata(
+        name="m", heads=4, head_dim=d_model // 4, d_model=d_model, layers=layers, vocab_size=260, max_len=64,
+        num_classes=2, labels=("a", "b"), ff_dim=4 * d_model,
+    )  # fmt: skip
+
+
+def test_a_light_model_on_cpu_runs_on_the_light_thread_count_and_a_heavy_one_on_every_thread():
+    small, default = _meta(128, 2), _meta(512, 4)  # the benchmark's two models
+    assert flops_per_token(small) < LIGHT_MODEL_FLOPS < flops_per_token(default)
+    settings = EngineSettings("auto", 4, BatchPolicy(), light_threads=1)
+    assert settings.threads_for(small, "cpu") == 1
+    assert settings.threads_for(default, "cpu") == 4
+    assert settings.threads_for(small, "gpu") == 4  # the CUDA provider's CPU threads feed the GPU: left alone
+    assert EngineSettings("auto", 4, BatchPolicy()).threads_for(small, "cpu") == 4  # light_threads None: no rule
 
 
 def test_ingress_autoscaling_becomes_serve_autoscaling_options():
