@@ -68,10 +68,10 @@ def check_rows(ids: np.ndarray, mask: np.ndarray | None, meta: ModelMetadata, ma
         bad = low if low < 0 else high
         raise BadRequestError(f"token id {bad} is outside the vocabulary [0, {meta.vocab_size - 1}]")
     if mask is None:
-        mask = np.ones_like(ids)
-    elif mask.shape != ids.shape:
+        return Rows(ids, np.ones_like(ids))  # every row has a token: T > 0
+    if mask.shape != ids.shape:
         raise BadRequestError(f"attention_mask shape {list(mask.shape)} differs from input_ids {list(ids.shape)}")
-    elif not np.isin(mask, (0, 1)).all():
+    if not np.isin(mask, (0, 1)).all():
         raise BadRequestError("attention_mask must hold only 0 (padding) and 1 (token)")
     empty = np.flatnonzero(mask.sum(axis=1) == 0)
     if empty.size:
