@@ -17,6 +17,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("export.train_cli", "train one head configuration on a built-in task and export it (needs torch)"),
     "sweep": ("export.sweep", "train and compare head counts: quality versus latency per h (needs torch)"),
     "attention": ("export.attention_map", "per-layer, per-head attention maps of a model on a text, as a PNG"),
+    "heads": ("export.heads_cli", "which heads of a trained model matter: importance and masked accuracy per head"),
+    "prune": ("export.prune_cli", "remove a trained model's least important heads and export the smaller models"),
+    "prune-curve": ("export.prune_curve", "accuracy and latency against the fraction of heads pruned (needs torch)"),
 }
 
 
