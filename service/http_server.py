@@ -28,6 +28,41 @@ API_PORT = "MHA_SERVING_API_PORT"  # set by the launcher with direct ingress: Se
 NO_SERVE_DISCONNECT_WATCH = (b"x-request-disconnect-disabled", b"?1")
 
 
+class CoalescedWrites:
+    """A connection's transport, except that what is written within one event-loop turn goes out in one send:
+    uvicorn writes a response's head and its body separately, two send syscalls on the loopback where one does.
+    Flushed when the response is complete (LimitedHttpProtocol.on_response_complete), before a close or an EOF, and
+    at the end of the loop turn otherwise (a streamed body)."""
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport, self._loop = transport, loop
+        self._pending: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        if not self._pending:
+            self._loop.call_soon(self.flush)
+        self._pending.append(data)
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        data = self._pending[0] if len(self._pending) == 1 else b"".join(self._pending)
+        self._pending = []
+        if not self._transport.is_closing():
+            self._transport.write(data)
+
+    def write_eof(self) -> None:
+        self.flush()
+        self._transport.write_eof()
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def __getattr__(self, name: str):
+        return getattr(self._transport, name)
+
+
 class LimitedHttpProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol, refusing a request while its head arrives: a head (request line and headers)
     over `limits.max_header_bytes` or with more than `limits.max_headers` headers (431; nothing past the limit is
@@ -54,6 +89,14 @@ class LimitedHttpProtocol(HttpToolsProtocol):
             await app(scope, receive, send)
 
         return noted
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self.transport = CoalescedWrites(transport, self.loop)  # type: ignore[assignment]
+
+    def on_response_complete(self) -> None:
+        self.transport.flush()
+        super().on_response_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:
         """The client went away: a request still unanswered is cancelled (its batch slot freed, counted as 499)."""
