@@ -69,6 +69,7 @@ class BatchPolicy:
     max_batch_size: int = 32  # rows per ORT run; a request with more rows runs in chunks of this size
     max_queued_requests: int = 256  # requests waiting for a run; one more gets OverCapacityError (503)
     max_wait_s: float = 0.0  # hold a batch that is not full up to this long for more rows; 0: never wait
+    max_runs: int = 1  # ORT runs in flight at once (the executor needs as many workers); 1: one batch at a time
 
 
 @dataclass
@@ -80,7 +81,9 @@ class _Waiting:
 
 
 class DynamicBatcher:
-    """One per model: a single runner feeds ORT one batch at a time on `executor` (off the event loop)."""
+    """One per model: a single runner feeds ORT up to `max_runs` batches at a time on `executor` (off the event
+    loop). With max_runs 2 and a 2-thread session, a lone batch runs on both threads and two batches run side by
+    side, each on about one core, instead of queueing for both."""
 
     def __init__(self, name: str, run: RunFn, executor: Executor, policy: BatchPolicy, on_batch: BatchHook):
         self.name = name
@@ -89,6 +92,8 @@ class DynamicBatcher:
         self._waiting_rows = 0
         self._grown = asyncio.Event()  # set when a request joins the wait list (for max_wait_s)
         self._runner: asyncio.Task | None = None
+        self._running: set[asyncio.Task] = set()  # batches in flight beside the runner's own (max_runs > 1)
+        self._run_done = asyncio.Event()  # set when one of them finishes
 
     async def infer(self, ids: np.ndarray, mask: np.ndarray) -> BatchResult:
         """(n, T) ids and mask -> this request's result; more rows than a batch holds run as several chunks."""
@@ -141,23 +146,39 @@ class DynamicBatcher:
         loop = asyncio.get_running_loop()
         try:
             while self._waiting:
+                if len(self._running) >= self._policy.max_runs:  # only with max_runs > 1: those run as tasks
+                    self._run_done.clear()  # every slot is taken: the next batch grows until one frees
+                    await self._run_done.wait()
+                    continue
                 if self._policy.max_wait_s > 0:
                     await self._window()
                 if not (batch := self._take()):
                     continue
-                ids, mask, rows = merge([(w.ids, w.mask) for w in batch])  # (N, T) each, T = longest in batch
-                start = time.perf_counter()
-                try:
-                    logits = await loop.run_in_executor(self._executor, self._run, ids, mask)
-                except Exception as exc:  # the run's failure is every request's answer; the runner goes on
-                    for w in batch:
-                        if not w.future.done():
-                            w.future.set_exception(exc)
+                if self._policy.max_runs == 1:
+                    await self._run_batch(batch, loop)  # the common case: no task per batch
                     continue
-                run_s = time.perf_counter() - start
-                for w, part in zip(batch, split(logits, rows), strict=True):
-                    if not w.future.done():
-                        w.future.set_result(BatchResult(part, ids.shape[0], start - w.arrived, run_s))
-                self._on_batch(ids.shape[0], ids.size, run_s, [start - w.arrived for w in batch])
+                task = loop.create_task(self._run_batch(batch, loop))
+                self._running.add(task)
+                task.add_done_callback(self._finished)
         finally:
             self._runner = None
+
+    def _finished(self, task: asyncio.Task) -> None:
+        self._running.discard(task)
+        self._run_done.set()
+
+    async def _run_batch(self, batch: list[_Waiting], loop: asyncio.AbstractEventLoop) -> None:
+        ids, mask, rows = merge([(w.ids, w.mask) for w in batch])  # (N, T) each, T = longest in batch
+        start = time.perf_counter()
+        try:
+            logits = await loop.run_in_executor(self._executor, self._run, ids, mask)
+        except Exception as exc:  # the run's failure is every request's answer; the runner goes on
+            for w in batch:
+                if not w.future.done():
+                    w.future.set_exception(exc)
+            return
+        run_s = time.perf_counter() - start
+        for w, part in zip(batch, split(logits, rows), strict=True):
+            if not w.future.done():
+                w.future.set_result(BatchResult(part, ids.shape[0], start - w.arrived, run_s))
+        self._on_batch(ids.shape[0], ids.size, run_s, [start - w.arrived for w in batch])

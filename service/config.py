@@ -53,6 +53,12 @@ class DeploymentSettings(BaseModel):
     max_queued_requests: int = Field(256, ge=1, description="requests waiting for a replica; beyond it: 503")
     max_batch_size: int = Field(32, ge=1, description="rows (sequences) per ORT run")
     batch_wait_timeout_s: float = Field(0.0, ge=0, description="wait for more rows; 0: batch what queued meanwhile")
+    max_concurrent_batches: int = Field(
+        1,
+        ge=1,
+        description="ORT runs of this model in flight at once, sharing its intra-op threads: a lone batch gets every "
+        "thread, concurrent ones about a core each; 1: one batch at a time",
+    )
     intra_op_threads: int | None = Field(None, ge=1, description="ORT intra-op threads; None: from num_cpus")
     light_model_threads: int | None = Field(
         None,

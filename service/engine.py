@@ -61,7 +61,12 @@ class EngineSettings:
     @classmethod
     def of(cls, settings: DeploymentSettings, backend: str) -> EngineSettings:
         """From a model's DeploymentSettings: the same engine settings in either placement."""
-        policy = BatchPolicy(settings.max_batch_size, settings.max_queued_requests, settings.batch_wait_timeout_s)
+        policy = BatchPolicy(
+            settings.max_batch_size,
+            settings.max_queued_requests,
+            settings.batch_wait_timeout_s,
+            settings.max_concurrent_batches,
+        )
         return cls(backend, settings.threads(), policy, settings.ort_spinning, settings.light_model_threads)
 
     def threads_for(self, meta: ModelMetadata, backend: str) -> int:
@@ -86,7 +91,7 @@ class ModelEngine:
             self._runtime = rt
         except ModelFileError as exc:  # BackendError is not caught: whoever holds the engine fails, saying why
             self._error = str(exc)
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ort-{name}")
+        self._pool = ThreadPoolExecutor(max_workers=settings.policy.max_runs, thread_name_prefix=f"ort-{name}")
         self._metrics = ReplicaMetrics()
         rt = self._runtime
         self.labels = model_labels(rt.meta, rt.backend) if rt is not None else model_labels(None, "", name)

@@ -103,6 +103,46 @@ def test_a_batch_never_holds_more_than_max_batch_size_rows(pool):
     assert [n for n, _ in model.runs] == [1 + 3, 2 + 2, 1, 4]
 
 
+class ConcurrencyProbe(SlowModel):
+    """A SlowModel that also records how many of its runs were in flight at once, at most."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(seconds)
+        self._lock = threading.Lock()
+        self.now = self.most = 0
+
+    def __call__(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        with self._lock:
+            self.now += 1
+            self.most = max(self.most, self.now)
+        try:
+            return super().__call__(ids, mask)
+        finally:
+            with self._lock:
+                self.now -= 1
+
+
+def test_with_two_runs_allowed_a_second_batch_starts_beside_the_first_and_a_third_waits_for_a_slot():
+    model = ConcurrencyProbe(seconds=0.1)
+    with ThreadPoolExecutor(2) as two:
+        b, _ = batcher(model, two, max_batch_size=32, max_runs=2)
+        requests = [rows(1, 2, 10 * i) for i in range(6)]
+
+        async def staggered():
+            first = asyncio.ensure_future(b.infer(*requests[0]))
+            await asyncio.sleep(0.02)  # the first run is in flight; a second slot is free
+            second = asyncio.ensure_future(b.infer(*requests[1]))
+            await asyncio.sleep(0.02)  # both slots taken: the rest wait and share the next batch
+            rest = [asyncio.ensure_future(b.infer(*r)) for r in requests[2:]]
+            return await asyncio.gather(first, second, *rest)
+
+        results = run(staggered())
+    assert model.most == 2
+    assert [n for n, _ in model.runs] == [1, 1, 4]
+    for (ids, mask), result in zip(requests, results, strict=True):
+        np.testing.assert_array_equal(result.logits, expected(ids, mask))
+
+
 def test_a_request_with_more_rows_than_a_batch_runs_in_chunks_answered_in_order(pool):
     model = SlowModel()
     b, _ = batcher(model, pool, max_batch_size=4)
