@@ -188,7 +188,12 @@ def report(args: argparse.Namespace) -> None:
 
     base = f"http://{args.host}:{args.port}"
     models = httpx.get(f"{base}/v1/models", timeout=30).json()["models"]
+    everywhere = args.host in ("0.0.0.0", "::")  # a URL with it cannot be opened: show loopback, and say so
+    shown = "127.0.0.1" if everywhere else args.host
+    base = f"http://{shown}:{args.port}"
     print(f"mha-serving: serving on {base}")
+    if everywhere:
+        print(f"  (listening on every interface, {args.host}: from elsewhere use this machine's name or address)")
     for label, path in [
         ("v2 (Open Inference Protocol)", "/v2/models/{name}/infer"),
         ("simple JSON", "/v1/models/{name}/predict"),
@@ -196,7 +201,7 @@ def report(args: argparse.Namespace) -> None:
         ("OpenAPI docs", "/docs"),
     ]:
         print(f"  {label:<30} {base}{path}")
-    print(f"  {'metrics (Prometheus)':<30} http://{args.host}:{args.metrics_port}/metrics")
+    print(f"  {'metrics (Prometheus)':<30} http://{shown}:{args.metrics_port}/metrics")
     for m in models:
         if m["ready"]:
             print(
