@@ -11,7 +11,7 @@ PORT ?= 8000
 $(BIN)/mha-serving: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ".[export,test]"
+	$(BIN)/python -m pip install -q -e ".[cpu,export,test]"
 	touch $(BIN)/mha-serving
 
 venv: $(BIN)/mha-serving

@@ -29,7 +29,6 @@ from loadtest.discovery import (
     select_models,
     wait_ready,
 )
-from loadtest.plots import write_plots
 from loadtest.progress import Progress
 from loadtest.report import ReportError, build_report, write_report
 from loadtest.runner import Level, Limits
@@ -151,8 +150,18 @@ def _finish(out: Path, meta: dict, outcome: Outcome, message: str) -> str:
     meta |= {"status": status, "message": message or "; ".join(outcome.failures), "finished_at": _now()}
     meta["measured"] = f"{len(outcome.results)} level(s), {sum(r.ok for r in outcome.results)} successful requests"
     report = build_report(meta, outcome.results, outcome.notes)
-    write_report(out, report, outcome.results, write_plots(outcome.results, out))
+    write_report(out, report, outcome.results, _plots(outcome, out))
     return status
+
+
+def _plots(outcome: Outcome, out: Path) -> list[str]:
+    """The report's PNG plots, where matplotlib is installed (the `plots` extra; the serving install has none)."""
+    try:
+        from loadtest.plots import write_plots
+    except ModuleNotFoundError as exc:
+        print(f"mha-serving loadtest: no plots ({exc.name} missing: pip install 'mha-serving[plots]')", file=sys.stderr)
+        return []
+    return write_plots(outcome.results, out)
 
 
 def _discover(args: argparse.Namespace, base_url: str, outcome: Outcome) -> list[ModelInfo]:
