@@ -137,6 +137,7 @@ class Ingress:
             self._models[name] = Remote(name, handle, coalescer)
         self._models = dict(sorted(self._models.items()))
         self._ready: dict[str, ModelStatus] = {}  # name -> status of a loaded model (metadata never changes)
+        self._labels: dict[str, dict[str, str]] = {}  # name -> its metric labels, once loaded
         self._in_flight = 0  # inference requests in progress here, every model (limits.max_in_flight)
         self._draining = False  # set by `drain` on SIGTERM: readiness answers 503 from then on
         self._metrics = IngressMetrics()
@@ -161,6 +162,7 @@ class Ingress:
         status = await self._model(name).status()
         if status.ready and name not in self._ready:
             self._ready[name] = status
+            self._labels[name] = model_labels(status.metadata, status.backend, name)
             self._metrics.model_info(status.metadata, status.backend)
             self._start_gauge_refresher()
         return status
@@ -187,8 +189,8 @@ class Ingress:
         status = await self._status(name) if name in self._models else None
         if status is None:
             labels = model_labels(None, "", UNKNOWN_MODEL)
-        else:
-            labels = model_labels(status.metadata, status.backend, name)
+        else:  # computed once for a loaded model
+            labels = self._labels.get(name) or model_labels(status.metadata, status.backend, name)
         self._metrics.started(labels)
         self._in_flight += 1
         code, rejected = 500, False
