@@ -356,3 +356,8 @@ class Ingress:
             return json_response(attention_api.response(body, meta, tokens, result))
 
         return await self._measured("v1_attention", name, work)
+
+
+# FastAPI's documentation routes last, behind the ingress's (see the inference routes above).
+_DOCS = {app.openapi_url, app.docs_url, app.redoc_url, app.swagger_ui_oauth2_redirect_url}
+app.router.routes.sort(key=lambda route: getattr(route, "path", None) in _DOCS)
