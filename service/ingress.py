@@ -5,6 +5,7 @@ engine in this replica (co-located) or its own deployment. No torch.
 """
 
 import asyncio
+import inspect
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -62,7 +63,14 @@ class ServiceApp(FastAPI):
         return self.openapi_schema
 
 
-app = ServiceApp(title="mha-serving", description="Multi-head attention classifiers on ONNX Runtime in Ray Serve.")
+# FastAPI's own OpenTelemetry instrumentation (newer FastAPI) asks the global providers on every request whether it is
+# configured (~1 % of the ingress's CPU, py-spy); the service's metrics go through Ray's Prometheus export instead.
+_NO_OTEL = {"telemetry": {"tracing": False, "metrics": False, "logs": False}}
+app = ServiceApp(
+    title="mha-serving",
+    description="Multi-head attention classifiers on ONNX Runtime in Ray Serve.",
+    **(_NO_OTEL if "telemetry" in inspect.signature(FastAPI.__init__).parameters else {}),
+)
 
 
 @app.exception_handler(ServiceError)  # typed errors, and below anything unexpected: the mapping in service/responses.py
