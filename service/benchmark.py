@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import yaml
 
 from export.metadata import MODEL_FILE, config_name
 from service.bench_client import LoadResult, load, post_bytes
@@ -123,6 +124,9 @@ def serve_config(models_dir: Path, names: list[str], placement: str, args) -> di
     for key, value in (("intra_op_threads", args.threads), ("ort_spinning", args.spinning)):
         if value is not None:
             deployment[key] = value
+    for item in args.deployment:
+        key, _, value = item.partition("=")
+        deployment[key] = yaml.safe_load(value)
     return {"models_dir": str(models_dir), "models": names, "backend": "cpu", "deployment": deployment}
 
 
@@ -230,6 +234,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--json", type=Path, help="also write every figure here")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="set for the servers (levers)")
+    p.add_argument(
+        "--deployment",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a model setting for every served model (AppConfig `deployment`), e.g. max_concurrent_batches=2",
+    )
     args = p.parse_args(argv)
     for item in args.env:
         key, _, value = item.partition("=")
