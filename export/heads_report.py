@@ -8,8 +8,10 @@ import csv
 import json
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from export.importance import HeadReport
+if TYPE_CHECKING:  # the report itself never runs torch
+    from export.importance import HeadReport
 
 REPORT_FILES = ("heads.md", "heads.csv", "heads.json", "heads.png")
 
