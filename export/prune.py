@@ -47,6 +47,9 @@ def heads_to_remove(drop: list[float], layer_heads: list[int]) -> dict[float, in
                 f"--drop {fraction:g} would remove {n} of {total} heads and leave a layer without heads (each of the "
                 f"{layers} layer(s) keeps at least one); use at most {(total - layers) / total:.3g}"
             )
+        same = [f for f, m in counts.items() if m == n]
+        if same:
+            raise PruneError(f"--drop {same[0]:g} and {fraction:g} both remove {n} of {total} heads; give one of them")
         counts[fraction] = n
     return counts
 

@@ -25,6 +25,7 @@ from export.prune import PruneError, heads_to_remove, iterative_prune, prune_mod
 from export.prune_cli import PRUNING_FILE
 from export.prune_cli import main as prune_main
 from export.prune_curve import main as curve_main
+from export.prune_curve_report import CurveRow, saved_per_head
 from export.tasks import get_task
 from export.train import encode_examples
 
@@ -120,6 +121,7 @@ def test_a_layer_never_loses_its_last_head_while_others_have_heads_to_spare(orde
         ([0.1], [4], "removes none of 4 heads"),
         ([0.9], [4], "leave a layer without heads"),
         ([0.25, 0.9], [4, 4], "use at most 0.75"),
+        ([0.25, 0.3], [4, 4], "both remove 2 of 8 heads"),
     ],
 )
 def test_a_drop_fraction_that_cannot_work_names_the_fix(drop, layer_heads, words):
@@ -191,3 +193,14 @@ def test_prune_curve_writes_accuracy_and_latency_per_heads_pruned_for_both_order
     assert rows[-1]["kernel"] == "unfused" and rows[0]["kernel"] == FUSED_KERNEL
     assert set(record["saved_per_head_ms"]) == {"batch_1", "batch_32"}
     assert [p.name for p in tmp_path.iterdir()] == ["curve"]  # its scratch exports and staging are gone
+
+
+def test_latency_saved_per_head_is_the_slope_over_the_models_that_run_the_full_models_kernel():
+    def row(removed: int, b1: float, b32: float, kernel: str) -> CurveRow:
+        return CurveRow(removed, removed / 8, 8 - removed, 1.0, 1.0, 0.0, b1, b32, kernel)
+
+    per_head_b1, per_head_b32 = 0.004, 0.12
+    rows = [row(k, 0.1 - per_head_b1 * k, 3.0 - per_head_b32 * k, FUSED_KERNEL) for k in range(7)]
+    rows.append(row(7, 0.5, 0.1, "unfused"))  # another kernel: left out of the slope
+    b1, b32 = saved_per_head(rows)
+    assert b1 == pytest.approx(per_head_b1) and b32 == pytest.approx(per_head_b32)
