@@ -4,15 +4,14 @@ answering what ONNX Runtime answers, told apart in the metrics by its `heads` la
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
+from prometheus import PrometheusServer
 from serving import bare_logits, deploy
 
 from export.tokenizer import ByteTokenizer
@@ -63,20 +62,9 @@ def _wait_ready(app, timeout_s: float = 60) -> list[dict]:
             time.sleep(0.5)
 
 
-def _heads_labels(metrics_url: str, app_name: str) -> dict[str, set[str]]:
-    """model -> the `heads` label values of the application's request counter and batch size series."""
-    found: dict[str, set[str]] = {}
-    for line in httpx.get(metrics_url, timeout=10).text.splitlines():
-        if line.startswith(("ray_mha_requests_total{", "ray_mha_batch_size_count{")):
-            labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
-            if labels.get("application") == app_name:
-                found.setdefault(labels["model"], set()).add(labels["heads"])
-    return found
-
-
-def test_pruned_and_unpruned_models_are_listed_answer_like_ort_and_carry_their_heads_label(app, models_dir):
-    import ray
-
+def test_pruned_and_unpruned_models_are_listed_answer_like_ort_and_carry_their_heads_label(
+    app, models_dir, metrics_port
+):
     models = {m["name"]: m for m in _wait_ready(app)}
     assert set(models) == {UNPRUNED, PRUNED} and all(m["ready"] for m in models.values())
     assert models[UNPRUNED]["layer_heads"] == [4, 4] and models[PRUNED]["layer_heads"] == [3, 1]
@@ -89,12 +77,20 @@ def test_pruned_and_unpruned_models_are_listed_answer_like_ort_and_carry_their_h
             assert out["config"]["layer_heads"] == models[name]["layer_heads"]
             want = bare_logits(models_dir, name, ids, mask)
             assert np.abs(np.asarray(out["logits"], dtype=np.float32) - want).max() <= 1e-5
-    metrics_url = f"http://127.0.0.1:{ray.nodes()[0]['MetricsExportPort']}/metrics"
-    deadline, labels = time.monotonic() + 60, {}
-    while time.monotonic() < deadline and len(labels) < 2:  # Ray exports metrics every few seconds
-        labels = _heads_labels(metrics_url, app.name)
-        time.sleep(0.5)
-    assert labels == {UNPRUNED: {"4"}, PRUNED: {"3,1"}}
+
+    def heads_by_model(result: list[dict]) -> dict[str, set[str]]:
+        found: dict[str, set[str]] = {}
+        for series in result:
+            found.setdefault(series["metric"]["model"], set()).add(series["metric"]["heads"])
+        return found
+
+    selector = f'application="{app.name}"'
+    with PrometheusServer(f"127.0.0.1:{metrics_port}") as prom:  # a real Prometheus scraping Ray's export
+        for metric in ("ray_mha_requests_total", "ray_mha_batch_size_count"):  # ingress's and engine's series
+            seen = prom.wait_for(
+                f"sum by (model, heads) ({metric}{{{selector}}})", lambda res: len(heads_by_model(res)) == 2, 90
+            )
+            assert heads_by_model(seen) == {UNPRUNED: {"4"}, PRUNED: {"3,1"}}, metric
 
 
 @pytest.mark.slow
