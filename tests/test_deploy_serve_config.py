@@ -90,7 +90,7 @@ def test_a_misspelt_setting_in_the_args_is_rejected():
 
 def test_models_dir_is_where_the_dockerfile_puts_the_models():
     dockerfile = (ROOT / "Dockerfile").read_text()
-    assert f"COPY --from=export --chown=1000:100 /models {app_args()['models_dir']}" in dockerfile
+    assert f"COPY --from=build --chown=1000:100 /models {app_args()['models_dir']}" in dockerfile
     assert "mha-serving export --out /models" in dockerfile
 
 

@@ -1,0 +1,117 @@
+"""The container image: the dependency split it installs (checked offline) and deploy/image_check.sh, which builds,
+runs and checks the image where a container engine and the base images are present (skipped, saying why, elsewhere).
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "deploy" / "image_check.sh"
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+STAND_IN_WORK = Path(os.environ.get("MHA_IMAGE_WORK", "/tmp/mha-image-check"))
+# import name -> distribution, where they differ
+DISTRIBUTION = {"yaml": "pyyaml", "onnxruntime": "onnxruntime", "ray": "ray"}
+ORT = {"onnxruntime", "onnxruntime-gpu"}  # one of the two, from the cpu or the gpu extra
+
+
+def requirement_names(requirements: list[str]) -> set[str]:
+    return {re.split(r"[\[<>=!~; ]", r, maxsplit=1)[0].lower() for r in requirements}
+
+
+def third_party_imports(package: str) -> set[str]:
+    """Top-level modules that a package's files import (at top level or inside functions), outside the stdlib."""
+    names = set()
+    for path in (ROOT / package).rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module.split(".")[0])
+    return {n for n in names if n not in sys.stdlib_module_names and n not in ("export", "service", "loadtest")}
+
+
+def test_the_serving_install_names_what_service_and_loadtest_import_and_no_export_or_plot_package():
+    dependencies = requirement_names(PYPROJECT["dependencies"])
+    extras = {name: requirement_names(reqs) for name, reqs in PYPROJECT["optional-dependencies"].items()}
+    imported = {DISTRIBUTION.get(n, n) for n in third_party_imports("service") | third_party_imports("loadtest")}
+    optional = {"matplotlib": "plots", "locust": "test"}  # imported lazily, only by the plots and the locustfile
+    missing = imported - dependencies - ORT - set(optional)
+    assert not missing, f"imported by service/ or loadtest/ but not in the dependencies: {sorted(missing)}"
+    assert not dependencies & {"torch", "onnx", "onnxscript", "matplotlib", "onnxruntime", "onnxruntime-gpu"}
+    assert extras["cpu"] == {"onnxruntime"} and extras["gpu"] == {"onnxruntime-gpu"}
+    assert extras["plots"] == {"matplotlib"}
+    assert {"torch", "onnx", "onnxscript"} <= extras["export"]
+    for module, extra in optional.items():
+        assert module in extras[extra] or f"mha-serving[{extra}]" in str(PYPROJECT["optional-dependencies"])
+
+
+def test_matplotlib_and_onnx_packages_are_named_only_in_their_extras():
+    extras = PYPROJECT["optional-dependencies"]
+    holders = {name for name, reqs in extras.items() if "matplotlib" in requirement_names(reqs)}
+    assert holders == {"plots"}, "matplotlib belongs to the plots extra (export pulls it in as mha-serving[plots])"
+    assert "mha-serving[plots]" in extras["export"]
+    for package in ("torch", "onnx", "onnxscript"):
+        assert {name for name, reqs in extras.items() if package in requirement_names(reqs)} == {"export"}, package
+
+
+def test_the_check_script_parses_and_probes_fast():
+    subprocess.run(["bash", "-n", str(SCRIPT)], check=True, timeout=10)
+    out = subprocess.run([str(SCRIPT), "--probe"], capture_output=True, text=True, timeout=60)
+    assert out.returncode in (0, 3), out.stdout + out.stderr  # 3: cannot run here, and it says why
+    assert out.stdout.startswith("image_check: can run") or "cannot run here" in out.stderr
+
+
+def probe(*options: str) -> tuple[bool, str]:
+    out = subprocess.run([str(SCRIPT), *options, "--probe"], capture_output=True, text=True, timeout=60)
+    return out.returncode == 0, (out.stdout + out.stderr).strip()
+
+
+def usable_options() -> tuple[list[str], str]:
+    """The options that let the check run here (an engine with the bases, or the stand-in bases), or ([], why not)."""
+    ok, why = probe()
+    if ok:
+        return [], ""
+    if (STAND_IN_WORK / "storage.conf").is_file() and os.geteuid() == 0:
+        ok, why_not = probe("--stand-in-bases")
+        if ok:
+            return ["--stand-in-bases"], ""
+        why += "; " + why_not
+    return [], why
+
+
+@pytest.mark.slow
+def test_the_image_builds_runs_and_passes_every_check():
+    options, why = usable_options()
+    if why:
+        pytest.skip(why)
+    out = subprocess.run([str(SCRIPT), *options], capture_output=True, text=True, timeout=3600)
+    print(out.stdout + out.stderr)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    assert "all checks passed" in out.stdout
+
+
+def test_stop_grace_covers_the_drain_in_the_image_and_on_kubernetes():
+    """SIGTERM drains for limits.drain_s, then Ray stops (about 2-3 s): the README's run command and every pod give
+    more than that before SIGKILL."""
+    import yaml
+
+    from service.config import RequestLimits
+
+    needed_s = RequestLimits().drain_s + 3
+    readme = (ROOT / "README.md").read_text()
+    (stop_timeout,) = set(re.findall(r"docker run .*?--stop-timeout (\d+)", readme, flags=re.S))
+    assert int(stop_timeout) >= needed_s
+    assert "STOPSIGNAL SIGTERM" in (ROOT / "Dockerfile").read_text()
+    rayservice = yaml.safe_load((ROOT / "deploy" / "k8s" / "base" / "rayservice.yaml").read_text())
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+        assert group["template"]["spec"]["terminationGracePeriodSeconds"] >= needed_s
