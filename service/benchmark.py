@@ -25,7 +25,7 @@ from export.metadata import MODEL_FILE, config_name
 from service.bench_client import LoadResult, load, post_bytes
 from service.bench_server import ServerProcess, cpu_seconds
 from service.ports import free_port
-from service.runtime import load_runtime
+from service.runtime import SPINNING, load_runtime
 from service.stage_profile import stage_shares, table
 
 MODELS = {"small": (128, 4, 2), "default": (512, 8, 4)}  # d_model, heads, layers
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=5.0, help="per measurement (default: 5)")
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--threads", type=int, help="ORT intra-op threads per model (default: the server's)")
-    p.add_argument("--spinning", type=lambda v: v.lower() in ("1", "true", "on"), help="ORT spinning on/off")
+    p.add_argument("--spinning", choices=SPINNING, help="ORT intra-op threads' spinning (default: the server's)")
     p.add_argument("--proxy", action="store_true", help="through Serve's proxy instead of direct ingress")
     p.add_argument("--profile", action="store_true", help="py-spy the ingress under load: CPU per request by stage")
     p.add_argument(

@@ -55,7 +55,7 @@ class EngineSettings:
     backend: str  # auto, cpu or gpu: what was asked for
     threads: int  # ORT intra-op threads
     policy: BatchPolicy
-    spinning: bool = False  # ORT's intra-op threads spin-wait between runs (CPU the HTTP side loses when busy)
+    spinning: str = "run"  # what ORT's waiting intra-op threads do: run, off or always (service/runtime.py)
     light_threads: int | None = None  # ORT threads for a model under LIGHT_MODEL_FLOPS on CPU; None: `threads`
 
     @classmethod

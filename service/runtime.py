@@ -56,11 +56,20 @@ def plan_providers(backend: str) -> tuple[list[str], str]:
     return [CUDA, CPU], "auto chose GPU: CUDAExecutionProvider is installed and a GPU is visible"
 
 
-def session_options(threads: int, spinning: bool = True) -> ort.SessionOptions:
-    """Intra-op threads for one run at a time; `spinning` False lets idle threads sleep (they spin by default)."""
+SPINNING = ("off", "run", "always")  # what ORT's intra-op threads do while they wait for work (ort_spinning)
+
+
+def session_options(threads: int, spinning: str = "always") -> ort.SessionOptions:
+    """Intra-op threads for one run at a time. `spinning`: "always" (ORT's default: waiting threads spin, also for a
+    while after a run), "run" (they spin only while a run is in progress, and stop when it returns), "off" (they
+    sleep, and each parallel section wakes them)."""
+    if spinning not in SPINNING:
+        raise ValueError(f"spinning must be one of {SPINNING}, got {spinning!r}")
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads
-    opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0" if spinning == "off" else "1")
+    if spinning == "run":
+        opts.add_session_config_entry("session.force_spinning_stop", "1")
     opts.inter_op_num_threads = 1
     opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -96,7 +105,7 @@ def preload_cuda_libraries() -> None:
             preload()
 
 
-def load_runtime(models_dir: str | Path, name: str, backend: str, threads: int, spinning: bool = True) -> Runtime:
+def load_runtime(models_dir: str | Path, name: str, backend: str, threads: int, spinning: str = "always") -> Runtime:
     """Open `models_dir/name/model.onnx` on the requested backend; ModelFileError or BackendError say why not."""
     providers, reason = plan_providers(backend)
     if providers[0] == CUDA:

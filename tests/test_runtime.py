@@ -8,11 +8,13 @@ from types import SimpleNamespace
 import numpy as np
 import onnxruntime as ort
 import pytest
+from pydantic import ValidationError
 from serving import bare_logits
 
+from service.config import DeploymentSettings
 from service.errors import BackendError, ModelFileError
 from service.model_store import check_contract, find_models
-from service.runtime import gpu_visible, load_runtime, plan_providers
+from service.runtime import gpu_visible, load_runtime, plan_providers, session_options
 
 HAS_CUDA_PROVIDER = "CUDAExecutionProvider" in ort.get_available_providers()
 NAMES = ["mha-h2-d32", "mha-h4-d32"]
@@ -63,6 +65,27 @@ def test_thread_setting_reaches_the_session(tiny_models_dir):
     rt = load_runtime(tiny_models_dir, "mha-h2-d32", "cpu", threads=2)
     assert rt.threads == 2
     assert rt.session.get_session_options().intra_op_num_threads == 2
+
+
+@pytest.mark.parametrize(("spinning", "allow", "stop"), [("off", "0", None), ("run", "1", "1"), ("always", "1", None)])
+def test_each_spinning_mode_reaches_the_session_and_an_unknown_one_is_refused(tiny_models_dir, spinning, allow, stop):
+    rt = load_runtime(tiny_models_dir, "mha-h2-d32", "cpu", threads=2, spinning=spinning)
+    opts = rt.session.get_session_options()
+    assert opts.get_session_config_entry("session.intra_op.allow_spinning") == allow
+    if stop is None:  # ORT's default: threads spin on after a run
+        with pytest.raises(RuntimeError, match="force_spinning_stop"):
+            opts.get_session_config_entry("session.force_spinning_stop")
+    else:
+        assert opts.get_session_config_entry("session.force_spinning_stop") == stop
+    with pytest.raises(ValueError, match="spinning must be one of"):
+        session_options(2, "fast")
+
+
+def test_ort_spinning_takes_a_mode_or_the_old_booleans():
+    assert [DeploymentSettings(ort_spinning=v).ort_spinning for v in ("run", True, False)] == ["run", "always", "off"]
+    assert DeploymentSettings().ort_spinning == "run"
+    with pytest.raises(ValidationError):
+        DeploymentSettings(ort_spinning="fast")
 
 
 def test_missing_model_file_is_reported(tmp_path):
