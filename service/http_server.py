@@ -13,7 +13,7 @@ import uvicorn.config
 from starlette.middleware import Middleware
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from service.asgi import HEAD_CHECKED, too_large
+from service.asgi import HEAD_CHECKED, match_inference, too_large
 from service.config import RequestLimits
 from service.errors import HeadersTooLargeError, NotServedHereError, ServiceError
 from service.responses import error_response, raw_error_response
@@ -26,6 +26,9 @@ API_PORT = "MHA_SERVING_API_PORT"  # set by the launcher with direct ingress: Se
 # more per request (the app's and a watcher reading `receive` until the client disconnects); the protocol below
 # cancels that task itself when the connection is lost.
 NO_SERVE_DISCONNECT_WATCH = (b"x-request-disconnect-disabled", b"?1")
+# Set by the launcher (before Ray starts) for `mha-serving serve` with direct ingress and no access log: the ingress
+# replica's server sends the inference routes straight to the application, past Serve's request wrapper.
+FAST_PATH = "MHA_SERVING_FAST_PATH"
 
 
 class CoalescedWrites:
@@ -70,6 +73,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
 
     limits = RequestLimits()
     watch_disconnects = False  # in the ingress replica (direct ingress): cancel a request whose client went away
+    fast_app = None  # with watch_disconnects: the ASGI app the inference routes go to directly; None: all via Serve
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -82,11 +86,17 @@ class LimitedHttpProtocol(HttpToolsProtocol):
             self.app = self._in_task(self.app)
 
     def _in_task(self, app):
-        """`app`, noting the task that runs each request (uvicorn starts one per request)."""
+        """`app`, noting the task that runs each request (uvicorn starts one per request); with `fast_app`, an
+        inference request goes to it instead, skipping Serve's wrapper of each request (its request id, context,
+        per-request metrics and ongoing-request count: the ingress keeps its own count, metrics and drain)."""
 
         async def noted(scope, receive, send) -> None:
             self._task = asyncio.current_task()
-            await app(scope, receive, send)
+            fast = self.fast_app
+            if fast is not None and match_inference(scope["method"], scope["path"]) is not None:
+                await fast(scope, receive, send)
+            else:
+                await app(scope, receive, send)
 
         return noted
 
@@ -178,16 +188,18 @@ class _ReusableAddressSockets:
         return sock
 
 
-def install(limits: RequestLimits, watch_disconnects: bool = False) -> None:
+def install(limits: RequestLimits, watch_disconnects: bool = False, fast_app=None) -> None:
     """From now on, HTTP servers that Serve starts in this process use LimitedHttpProtocol with `limits`, on a
     listening socket with SO_REUSEADDR: Ray 2.60 binds without it, so after a crash the connections' TIME_WAIT
     keep a restarted replica off its port (Serve then blocks that port for good). `watch_disconnects`: the protocol,
     not Serve, cancels a request whose client went away (the ingress replica's own server: two tasks per request
-    fewer; py-spy, small model at c=32: Serve's wrapper went from 11 % to 7 % of the ingress's CPU)."""
+    fewer; py-spy, small model at c=32: Serve's wrapper went from 11 % to 7 % of the ingress's CPU). `fast_app`
+    (with watch_disconnects): the application the inference routes go to directly (LimitedHttpProtocol._in_task)."""
     from ray.serve._private import http_util
 
     LimitedHttpProtocol.limits = limits
     LimitedHttpProtocol.watch_disconnects = watch_disconnects
+    LimitedHttpProtocol.fast_app = fast_app if watch_disconnects else None
     uvicorn.config.HTTP_PROTOCOLS["auto"] = PROTOCOL  # what uvicorn.Config(http="auto"), Serve's choice, loads
     http_util.socket = _ReusableAddressSockets()
 

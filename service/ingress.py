@@ -6,6 +6,7 @@ engine in this replica (co-located) or its own deployment. No torch.
 
 import asyncio
 import inspect
+import os
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -151,7 +152,8 @@ class Ingress:
         self._metrics = IngressMetrics()
         self._gauge_refresher: asyncio.Task | None = None  # started on the replica's event loop by the first request
         limits = config.limits
-        http_server.install(limits, watch_disconnects=True)  # this replica's own server (direct ingress), started later
+        fast_app = app if os.environ.get(http_server.FAST_PATH) == "1" else None  # see service/http_server.py
+        http_server.install(limits, watch_disconnects=True, fast_app=fast_app)  # this replica's own server, if any
         app.state.limits = limits
         app.state.model_names = list(self._models)  # the OpenAPI document's model names
         app.state.ingress = self  # FrontDoor sends the inference routes straight to this replica's handlers

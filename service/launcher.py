@@ -150,6 +150,8 @@ def listen_env(opts: LocalServe) -> None:
     request; the head limits in the proxy (service/http_server.py)."""
     os.environ.update(direct_ingress_env(opts.port) if opts.direct else {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"})
     os.environ.pop(http_server.API_PORT, None)
+    if os.environ.get(http_server.FAST_PATH) != "0":  # "0" set by the user: every request through Serve's wrapper
+        os.environ[http_server.FAST_PATH] = "1" if opts.direct and not opts.access_log else ""  # Serve logs access
     for key, value in {**ports.ray_env(opts.host), **http_server.proxy_env(opts.port if opts.direct else None)}.items():
         os.environ.setdefault(key, value)
 

@@ -316,6 +316,21 @@ def _name(pid: int) -> str:
     return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
 
 
+def test_inference_routes_go_past_serves_request_wrapper_and_the_other_routes_through_it(server):
+    """`mha-serving serve` sends predict and infer straight to the application (no `x-request-id`, which Serve's
+    wrapper adds); health and the model list still go through Serve; both answer alike."""
+    base = f"http://127.0.0.1:{server.port}"
+    with httpx.Client(base_url=base, timeout=30) as client:
+        predict = client.post(PREDICT, json={"text": "fast"})
+        tensor = {"name": "text", "datatype": "BYTES", "shape": [1], "data": ["fast"]}
+        infer = client.post(f"/v2/models/{SLOW}/infer", json={"inputs": [tensor]})
+        wrapped = [client.get(path) for path in ("/v2/health/ready", "/v1/models")]
+    assert predict.status_code == infer.status_code == 200, (predict.text, infer.text)
+    assert "x-request-id" not in predict.headers and "x-request-id" not in infer.headers
+    assert all(r.status_code == 200 and "x-request-id" in r.headers for r in wrapped)
+    assert predict.headers["content-type"] == wrapped[0].headers["content-type"] == "application/json"
+
+
 def test_everything_listens_on_loopback_and_serve_proxy_is_no_second_entry_point(server):
     """--host 127.0.0.1: the API, Ray's metrics ports, agents and gRPC on loopback. Ray 2.60 binds only each Serve
     replica's own gRPC port on every interface ([::], token-authenticated): not HTTP, checked here."""
