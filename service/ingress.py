@@ -6,6 +6,7 @@ engine in this replica (co-located) or its own deployment. No torch.
 
 import asyncio
 import inspect
+import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
@@ -38,6 +39,7 @@ from service.placement import Colocated, ModelPlacement, Remote
 from service.protocol import simple, v2
 from service.responses import error_response, json_response
 
+logger = logging.getLogger(__name__)
 BINARY_HEADER = "inference-header-content-length"
 CLIENT_CLOSED = 499  # nginx's code for a request whose client closed the connection first (metrics only)
 BodyT = TypeVar("BodyT", bound=BaseModel)
@@ -183,7 +185,10 @@ class Ingress:
 
     async def _refresh_gauges(self) -> None:
         while True:
-            self._metrics.refresh()
+            try:
+                self._metrics.refresh()
+            except Exception:  # one failed export must not stop the counters and gauges for good
+                logger.exception("refreshing the ingress metrics failed; trying again in %g s", GAUGE_REFRESH_S)
             await asyncio.sleep(GAUGE_REFRESH_S)
 
     async def _measured(
