@@ -1,6 +1,8 @@
 """What Ray Serve's HTTP servers run with in our processes, installed before Serve starts them: request heads bounded
-while they arrive (431, or 413 for `Expect: 100-continue`), a listening socket a restarted replica can bind again at
-once, and in Serve's proxy a refusal of every request when the ingress listens itself (direct ingress). No torch.
+while they arrive (431, or 413 for `Expect: 100-continue`), one send per response, a listening socket a restarted
+replica can bind again at once; in Serve's proxy a refusal of every request when the ingress listens itself (direct
+ingress); in that ingress replica, a request cancelled when its client goes away and, with `mha-serving serve`, the
+inference routes sent straight to the application. No torch.
 """
 
 from __future__ import annotations
