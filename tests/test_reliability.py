@@ -25,6 +25,7 @@ import httpx
 import numpy as np
 import pytest
 
+from service.bench_client import post_bytes
 from service.bench_server import ServerProcess, descendants, memory_kib
 
 pytestmark = [pytest.mark.serve, pytest.mark.slow]
@@ -101,8 +102,7 @@ def _length(answer: bytes) -> int:
 
 def flood(port: int, path: str, count: int) -> list[tuple[int, bytes, float]]:
     body = json.dumps({"text": "flood"}).encode()
-    head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-    request = (head + f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    request = post_bytes(path, body)
 
     async def run():
         return await asyncio.wait_for(asyncio.gather(*(_one_shot(port, request) for _ in range(count))), 60)
@@ -129,8 +129,7 @@ def test_requests_whose_clients_went_away_are_dropped_from_their_batch(server):
     """Three requests to SLOW (a 0.2 s batch window, 4 rows a batch) whose clients hang up while they wait, then one
     that stays: the batch runs only the one that stays. Were the three kept, it would run four rows."""
     body = json.dumps({"text": "gone"}).encode()
-    head = f"POST /v1/models/{SLOW}/predict HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-    request = (head + f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    request = post_bytes(f"/v1/models/{SLOW}/predict", body)
     seen = []  # (rows of the batch, ms waited) of the request that stayed, per try
     for _ in range(3):  # bounded; a try counts only if that request joined the window the three opened
         gone = [socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in range(3)]
