@@ -101,7 +101,7 @@ class ServerProcess:
 
     def replica_pid(self, deployment: str) -> int:
         """The PID of a Serve replica of `deployment` (e.g. "ingress") in this server's process tree."""
-        for pid in descendants(self._proc.pid):
+        for pid in self.processes():
             try:
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
             except OSError:
@@ -118,11 +118,19 @@ class ServerProcess:
         pids = descendants(self._proc.pid)
         return {field: sum(memory_kib(p, field) for p in pids) / 1024 for field in ("Rss", "Pss")}
 
-    def terminate(self, timeout_s: float = 30) -> float:
-        """SIGTERM to the server process, as `docker stop` sends it; seconds until it exited (nan past timeout_s)."""
+    def processes(self) -> list[int]:
+        """The server's process and every process below it (Ray's own and the replicas)."""
+        return descendants(self._proc.pid) if self._proc is not None else []
+
+    def terminate(self, timeout_s: float = 30, group: bool = False) -> float:
+        """SIGTERM to the server process, as `docker stop` sends it, or with `group` to its whole process group, as
+        systemd and `timeout` do; seconds until it exited (nan past timeout_s)."""
         if self._proc is not None and self._proc.poll() is None:
             start = time.perf_counter()
-            self._proc.send_signal(signal.SIGTERM)
+            if group:  # started in a session of its own: its process group is its PID
+                os.killpg(self._proc.pid, signal.SIGTERM)
+            else:
+                self._proc.send_signal(signal.SIGTERM)
             try:
                 self._proc.wait(timeout_s)
                 self.stop_s = time.perf_counter() - start

@@ -236,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
             left, waited = drain(APP_NAME, config.limits.drain_s)
             unfinished = f", {left} request(s) unfinished" if left > 0 else ""
             print(f"mha-serving: drained in {waited:.1f} s{unfinished}; shutting down", file=sys.stderr, flush=True)
+            if not stop_ray():  # Ray's GCS went down with the signal: Ray's own exit hook would wait on it again
+                sys.stdout.flush()
+                os._exit(0)
         return 0
     except RuntimeError as exc:  # Serve's deploy failure: a replica raised at start (e.g. backend gpu without one)
         print(f"mha-serving serve: the application failed to start: {_first_reason(exc)}", file=sys.stderr)
