@@ -1,12 +1,15 @@
 """Dynamic batching in process: requests for one model merged into ORT runs padded to their longest sequence.
 
-No wait when idle; while a run is in flight the next batch collects what arrives, up to `max_batch_size` rows; a
-bounded wait list answers OverCapacityError. The arithmetic (merge, split) is pure numpy. No torch, no Ray.
+No wait when idle; while a run is in flight the next batch collects what arrives, up to `max_batch_size` rows, and
+starts as soon as the run ends, from the ORT thread itself; a bounded wait list answers OverCapacityError. The
+arithmetic (merge, split) is pure numpy. No torch, no Ray.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -76,50 +79,61 @@ class BatchPolicy:
 class _Waiting:
     ids: np.ndarray  # (n, T)
     mask: np.ndarray  # (n, T)
-    future: asyncio.Future
+    future: asyncio.Future  # set on its event loop's thread only
     arrived: float
 
 
 class DynamicBatcher:
-    """One per model: a single runner feeds ORT up to `max_runs` batches at a time on `executor` (off the event
-    loop). With max_runs 2 and a 2-thread session, a lone batch runs on both threads and two batches run side by
-    side, each on about one core, instead of queueing for both."""
+    """One per model. Its runners are loops on `executor`'s threads, up to `max_runs` at a time: each takes the oldest
+    waiting requests that fit a batch, runs ORT (off the event loop, which goes on reading requests), hands the
+    results to the event loop in one call and takes the next batch at once, without waiting for the event loop to get
+    round to it; a runner ends when nothing waits. With max_runs 2 and a 2-thread session, a lone batch runs on both
+    threads and two batches run side by side, each on about one core, instead of queueing for both."""
 
     def __init__(self, name: str, run: RunFn, executor: Executor, policy: BatchPolicy, on_batch: BatchHook):
         self.name = name
         self._run, self._executor, self._policy, self._on_batch = run, executor, policy, on_batch
+        self._lock = threading.Lock()  # guards everything below: the event loop and the runners share it
+        self._grown = threading.Condition(self._lock)  # notified when a request joins the wait list (max_wait_s)
         self._waiting: deque[_Waiting] = deque()
         self._waiting_rows = 0
-        self._grown = asyncio.Event()  # set when a request joins the wait list (for max_wait_s)
-        self._runner: asyncio.Task | None = None
-        self._running: set[asyncio.Task] = set()  # batches in flight beside the runner's own (max_runs > 1)
-        self._run_done = asyncio.Event()  # set when one of them finishes
+        self._runners = 0  # runner loops alive
+        self._idle = 0  # of those, the ones not in an ORT run (about to take a batch, or in a batch window)
 
     async def infer(self, ids: np.ndarray, mask: np.ndarray) -> BatchResult:
         """(n, T) ids and mask -> this request's result; more rows than a batch holds run as several chunks."""
         step = self._policy.max_batch_size
         starts = range(0, ids.shape[0], step)
-        if len(self._waiting) + len(starts) > self._policy.max_queued_requests:
-            raise ModelQueueFullError(self.name)
         if len(starts) == 1:
-            return await self._enqueue(ids, mask)
-        parts = await asyncio.gather(*[self._enqueue(ids[i : i + step], mask[i : i + step]) for i in starts])
+            return await self._enqueue([(ids, mask)])[0]
+        futures = self._enqueue([(ids[i : i + step], mask[i : i + step]) for i in starts])
+        parts = await asyncio.gather(*futures)
         logits = np.concatenate([p.logits for p in parts])  # (n, C)
         slowest = max(p.queue_s for p in parts)
         return BatchResult(logits, max(p.batch_rows for p in parts), slowest, sum(p.run_s for p in parts))
 
-    def _enqueue(self, ids: np.ndarray, mask: np.ndarray) -> asyncio.Future:
+    def _enqueue(self, parts: list[tuple[np.ndarray, np.ndarray]]) -> list[asyncio.Future]:
+        """Join the wait list (all parts or none), starting a runner if every live one is busy and a slot is free."""
         loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        self._waiting.append(_Waiting(ids, mask, future, time.perf_counter()))
-        self._waiting_rows += ids.shape[0]
-        self._grown.set()
-        if self._runner is None:
-            self._runner = loop.create_task(self._drain())
-        return future
+        futures = [loop.create_future() for _ in parts]
+        now = time.perf_counter()
+        with self._lock:
+            if len(self._waiting) + len(parts) > self._policy.max_queued_requests:
+                raise ModelQueueFullError(self.name)
+            for (ids, mask), future in zip(parts, futures, strict=True):
+                self._waiting.append(_Waiting(ids, mask, future, now))
+                self._waiting_rows += ids.shape[0]
+            self._grown.notify()
+            start = self._idle == 0 and self._runners < self._policy.max_runs
+            if start:
+                self._runners += 1
+                self._idle += 1
+        if start:
+            self._executor.submit(self._runner)
+        return futures
 
     def _take(self) -> list[_Waiting]:
-        """The oldest waiting requests that fit one batch; requests whose client went away are dropped."""
+        """The oldest waiting requests that fit one batch; requests whose client went away are dropped. Lock held."""
         batch, rows = [], 0
         while self._waiting:
             item = self._waiting[0]
@@ -132,53 +146,53 @@ class DynamicBatcher:
                 rows += item.ids.shape[0]
         return batch
 
-    async def _window(self) -> None:
-        """With max_wait_s > 0: wait until a batch is full or its oldest request has waited max_wait_s."""
+    def _window(self) -> None:
+        """With max_wait_s > 0: wait until a batch is full or its oldest request has waited max_wait_s. Lock held."""
         deadline = self._waiting[0].arrived + self._policy.max_wait_s
         while self._waiting_rows < self._policy.max_batch_size and (left := deadline - time.perf_counter()) > 0:
-            self._grown.clear()
+            self._grown.wait(left)
+
+    def _runner(self) -> None:
+        """One runner loop, on an executor thread: batches until nothing waits."""
+        while True:
+            with self._lock:
+                if self._waiting and self._policy.max_wait_s > 0:
+                    self._window()
+                batch = self._take()
+                if not batch:
+                    self._runners -= 1
+                    self._idle -= 1
+                    return
+                self._idle -= 1
             try:
-                await asyncio.wait_for(self._grown.wait(), left)
-            except TimeoutError:
-                return
+                self._run_batch(batch)
+            finally:
+                with self._lock:
+                    self._idle += 1
 
-    async def _drain(self) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            while self._waiting:
-                if len(self._running) >= self._policy.max_runs:  # only with max_runs > 1: those run as tasks
-                    self._run_done.clear()  # every slot is taken: the next batch grows until one frees
-                    await self._run_done.wait()
-                    continue
-                if self._policy.max_wait_s > 0:
-                    await self._window()
-                if not (batch := self._take()):
-                    continue
-                if self._policy.max_runs == 1:
-                    await self._run_batch(batch, loop)  # the common case: no task per batch
-                    continue
-                task = loop.create_task(self._run_batch(batch, loop))
-                self._running.add(task)
-                task.add_done_callback(self._finished)
-        finally:
-            self._runner = None
-
-    def _finished(self, task: asyncio.Task) -> None:
-        self._running.discard(task)
-        self._run_done.set()
-
-    async def _run_batch(self, batch: list[_Waiting], loop: asyncio.AbstractEventLoop) -> None:
-        ids, mask, rows = merge([(w.ids, w.mask) for w in batch])  # (N, T) each, T = longest in batch
+    def _run_batch(self, batch: list[_Waiting]) -> None:
+        """Merge, run and split on this runner's thread; whatever fails there is every request's answer."""
         start = time.perf_counter()
+        shape = (0, 0)
         try:
-            logits = await loop.run_in_executor(self._executor, self._run, ids, mask)
-        except Exception as exc:  # the run's failure is every request's answer; the runner goes on
+            ids, mask, rows = merge([(w.ids, w.mask) for w in batch])  # (N, T) each, T = longest in batch
+            shape = ids.shape
+            start = time.perf_counter()
+            parts: list[np.ndarray] | Exception = split(self._run(ids, mask), rows)
+        except Exception as exc:  # the runner goes on with the next batch
+            parts = exc
+        run_s = time.perf_counter() - start
+        with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody is left to answer
+            batch[0].future.get_loop().call_soon_threadsafe(self._answer, batch, parts, shape, start, run_s)
+
+    def _answer(self, batch: list[_Waiting], parts, shape: tuple[int, int], start: float, run_s: float) -> None:
+        """On the event loop: each request's result (or the run's failure), then the batch's metrics."""
+        if isinstance(parts, Exception):
             for w in batch:
                 if not w.future.done():
-                    w.future.set_exception(exc)
+                    w.future.set_exception(parts)
             return
-        run_s = time.perf_counter() - start
-        for w, part in zip(batch, split(logits, rows), strict=True):
+        for w, part in zip(batch, parts, strict=True):
             if not w.future.done():
-                w.future.set_result(BatchResult(part, ids.shape[0], start - w.arrived, run_s))
-        self._on_batch(ids.shape[0], ids.size, run_s, [start - w.arrived for w in batch])
+                w.future.set_result(BatchResult(part, shape[0], start - w.arrived, run_s))
+        self._on_batch(shape[0], shape[0] * shape[1], run_s, [start - w.arrived for w in batch])

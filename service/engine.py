@@ -91,7 +91,8 @@ class ModelEngine:
             self._runtime = rt
         except ModelFileError as exc:  # BackendError is not caught: whoever holds the engine fails, saying why
             self._error = str(exc)
-        self._pool = ThreadPoolExecutor(max_workers=settings.policy.max_runs, thread_name_prefix=f"ort-{name}")
+        # The batcher's runners hold up to max_runs threads while requests keep coming; one more for attention.
+        self._pool = ThreadPoolExecutor(max_workers=settings.policy.max_runs + 1, thread_name_prefix=f"ort-{name}")
         self._metrics = ReplicaMetrics()
         rt = self._runtime
         self.labels = model_labels(rt.meta, rt.backend) if rt is not None else model_labels(None, "", name)

@@ -93,14 +93,38 @@ def test_a_batch_never_holds_more_than_max_batch_size_rows(pool):
     b, _ = batcher(model, pool, max_batch_size=4)
 
     async def queued():
+        first = asyncio.ensure_future(b.infer(*rows(2, 2)))
+        await asyncio.sleep(0.02)  # an idle batcher runs it at once, alone; the run is held
         tasks = [asyncio.ensure_future(b.infer(*rows(n, 2, 10 * i))) for i, n in enumerate([1, 3, 2, 2, 1, 4])]
         await asyncio.sleep(0.05)
         model.gate.set()
-        return await asyncio.gather(*tasks)
+        return await asyncio.gather(first, *tasks)
 
     run(queued())
-    # all six queue before the first run starts; FIFO, each batch as full as the next request allows
-    assert [n for n, _ in model.runs] == [1 + 3, 2 + 2, 1, 4]
+    # the six queue behind the held run; FIFO, each batch as full as the next request allows
+    assert [n for n, _ in model.runs] == [2, 1 + 3, 2 + 2, 1, 4]
+
+
+def test_the_next_batch_starts_when_a_run_ends_even_while_the_event_loop_is_busy(pool):
+    model = SlowModel()
+    model.gate.clear()
+    started: list[float] = []
+    b, _ = batcher(lambda ids, mask: (started.append(time.perf_counter()), model(ids, mask))[1], pool)
+
+    async def busy_loop():
+        first = asyncio.ensure_future(b.infer(*rows(1, 2)))
+        await asyncio.sleep(0.02)  # running, held at the gate
+        second = asyncio.ensure_future(b.infer(*rows(1, 3)))
+        await asyncio.sleep(0)  # queued behind the held run
+        model.gate.set()
+        time.sleep(0.3)  # the event loop is busy (blocked) while the first run ends
+        unblocked = time.perf_counter()
+        await asyncio.gather(first, second)
+        return unblocked
+
+    unblocked = run(busy_loop())
+    assert model.runs == [(1, 2), (1, 3)]
+    assert started[1] < unblocked - 0.1  # the second run did not wait for the event loop to come back
 
 
 class ConcurrencyProbe(SlowModel):
