@@ -100,14 +100,20 @@ class ServerProcess:
         raise RuntimeError(f"127.0.0.1:{port}{path} did not answer 200 within {timeout_s:g} s")
 
     def replica_pid(self, deployment: str) -> int:
-        """The PID of a Serve replica of `deployment` (e.g. "ingress") in this server's process tree."""
-        for pid in self.processes():
-            try:
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except OSError:
-                continue
-            if "ServeReplica" in cmdline and cmdline.split(":")[-1].strip() == deployment:
-                return pid
+        """The PID of a Serve replica of `deployment` (e.g. "ingress") in this server's process tree. Looked for
+        during up to 5 s: a worker process renames itself to its actor a moment after it started."""
+        deadline = time.monotonic() + 5
+        while True:
+            for pid in self.processes():
+                try:
+                    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+                except OSError:
+                    continue
+                if "ServeReplica" in cmdline and cmdline.split(":")[-1].strip() == deployment:
+                    return pid
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         raise RuntimeError(f"no replica of {deployment!r} among the server's processes")
 
     def process_count(self) -> int:

@@ -55,7 +55,8 @@ def request_bodies(n: int, batch: int = 1, seed: int = 0) -> list[bytes]:
 
 
 def bare_ort(models_dir: Path, name: str, seconds: float) -> dict[str, float]:
-    """Batch-1 p50 (best of 1 and 2 threads) and the best batched throughput (2 threads), in this process."""
+    """Batch-1 p50 (best of 1 and 2 threads) and the best batched throughput (2 threads), in this process: batch
+    sizes 8-64 scanned, the best one measured for `seconds` (`remeasure_best` measures it again later)."""
     rng = np.random.default_rng(1)
     out: dict[str, float] = {}
     for threads in (1, 2):
@@ -74,15 +75,32 @@ def bare_ort(models_dir: Path, name: str, seconds: float) -> dict[str, float]:
     out["p50_ms"] = min(out["p50_ms_t1"], out["p50_ms_t2"])
     rt = load_runtime(models_dir, name, "cpu", 2)
     for batch in (8, 16, 32, 64):
-        ids = rng.integers(4, 260, size=(batch, TOKENS))  # (B, T)
-        rt.run(ids, np.ones_like(ids))
-        count, start = 0, time.perf_counter()
-        while time.perf_counter() - start < seconds / 4:
-            rt.run(ids, np.ones_like(ids))
-            count += batch
-        out[f"rate_b{batch}"] = count / (time.perf_counter() - start)
-    out["best_rate"] = max(v for k, v in out.items() if k.startswith("rate_b"))
+        out[f"rate_b{batch}"] = batched_rate(rt, batch, seconds / 4)
+    # The scan's maximum is biased upwards by this machine's noise (the luckiest of four short samples); the best
+    # batch size is measured again for as long as a served model is, and that is the figure the bar uses.
+    out["best_batch"] = max((8, 16, 32, 64), key=lambda b: out[f"rate_b{b}"])
+    out["best_rate"] = batched_rate(rt, out["best_batch"], seconds)
     return out
+
+
+def batched_rate(rt, batch: int, seconds: float) -> float:
+    """Sequences per second of back-to-back runs of `batch` x TOKENS tokens on an open runtime."""
+    ids = np.random.default_rng(batch).integers(4, 260, size=(batch, TOKENS))  # (B, T)
+    mask = np.ones_like(ids)
+    rt.run(ids, mask)
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        rt.run(ids, mask)
+        count += batch
+    return count / (time.perf_counter() - start)
+
+
+def remeasure_best(models_dir: Path, name: str, bare: dict, seconds: float) -> None:
+    """The best batched rate again, now: the bar's figure becomes the mean of the two measurements around the served
+    runs, so that the machine's drift between them (up to ~10 % here over a minute) cancels instead of counting."""
+    bare["best_rate_before"] = bare["best_rate"]
+    bare["best_rate_after"] = batched_rate(load_runtime(models_dir, name, "cpu", 2), bare["best_batch"], seconds)
+    bare["best_rate"] = (bare["best_rate_before"] + bare["best_rate_after"]) / 2
 
 
 def measure(port: int, name: str, seconds: float, concurrency: int, profile_pid: int | None = None) -> dict:
@@ -191,7 +209,11 @@ def report(bare: dict, plain: dict | None, runs: dict[str, dict], summary: dict[
     print(f"\n{'server':<34} {'model':<8} {'c=1 p50':>9} {f'c={concurrency}':>11} {'p99':>9}  errors")
     for label in ("small", "default"):
         b = bare[label]
-        print(f"{'bare ORT (b1 p50 / best batch)':<34} {label:<8} {b['p50_ms']:7.2f}ms {b['best_rate']:7.0f} seq/s")
+        around = f"  (batch {b['best_batch']}"
+        if "best_rate_after" in b:
+            around += f"; mean of {b['best_rate_before']:.0f} before and {b['best_rate_after']:.0f} after serve"
+        line = f"{'bare ORT (b1 p50 / best batch)':<34} {label:<8} {b['p50_ms']:7.2f}ms {b['best_rate']:7.0f} seq/s"
+        print(line + around + ")")
     if plain is not None:
         print(f"{'plain FastAPI + ORT':<34} {'small':<8} {plain['c1_p50_ms']:7.2f}ms {plain['rate']:7.0f} req/s")
     for run_name, run in runs.items():
@@ -257,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
         if placement in args.scenarios:
             print(f"mha-serving serve, placement {placement}...", flush=True)
             runs[f"serve ({placement})"] = served(args.models, names, placement, args)
+            if placement == "colocated":  # the bar compares it with bare ORT: measured on both sides of it
+                remeasure_best(args.models, names["default"], bare["default"], args.seconds)
     if "five" in args.scenarios:
         print("mha-serving serve, the default model alone, then with the four other default models...", flush=True)
         runs["serve (default model alone)"] = served(args.models, {"default": names["default"]}, "colocated", args)
