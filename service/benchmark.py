@@ -97,7 +97,8 @@ def batched_rate(rt, batch: int, seconds: float) -> float:
 
 def remeasure_best(models_dir: Path, name: str, bare: dict, seconds: float) -> None:
     """The best batched rate again, now: the bar's figure becomes the mean of the two measurements around the served
-    runs, so that the machine's drift between them (up to ~10 % here over a minute) cancels instead of counting."""
+    runs, so that the machine's drift between them cancels instead of counting (here the figure ranged 215-234 seq/s
+    across runs minutes apart)."""
     bare["best_rate_before"] = bare["best_rate"]
     bare["best_rate_after"] = batched_rate(load_runtime(models_dir, name, "cpu", 2), bare["best_batch"], seconds)
     bare["best_rate"] = (bare["best_rate_before"] + bare["best_rate_after"]) / 2
