@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import threading
 import time
 from collections import deque
@@ -171,28 +172,30 @@ class DynamicBatcher:
                     self._idle += 1
 
     def _run_batch(self, batch: list[_Waiting]) -> None:
-        """Merge, run and split on this runner's thread; whatever fails there is every request's answer."""
-        start = time.perf_counter()
-        shape = (0, 0)
+        """Merge, run and split on this runner's thread, then answer on the event loop; whatever fails here is every
+        request's answer."""
         try:
             ids, mask, rows = merge([(w.ids, w.mask) for w in batch])  # (N, T) each, T = longest in batch
-            shape = ids.shape
             start = time.perf_counter()
-            parts: list[np.ndarray] | Exception = split(self._run(ids, mask), rows)
+            parts = split(self._run(ids, mask), rows)
+            answer = functools.partial(self._answer, batch, parts, ids.shape, start, time.perf_counter() - start)
         except Exception as exc:  # the runner goes on with the next batch
-            parts = exc
-        run_s = time.perf_counter() - start
+            answer = functools.partial(self._fail, batch, exc)
         with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody is left to answer
-            batch[0].future.get_loop().call_soon_threadsafe(self._answer, batch, parts, shape, start, run_s)
+            batch[0].future.get_loop().call_soon_threadsafe(answer)
 
-    def _answer(self, batch: list[_Waiting], parts, shape: tuple[int, int], start: float, run_s: float) -> None:
-        """On the event loop: each request's result (or the run's failure), then the batch's metrics."""
-        if isinstance(parts, Exception):
-            for w in batch:
-                if not w.future.done():
-                    w.future.set_exception(parts)
-            return
+    def _answer(
+        self, batch: list[_Waiting], parts: list[np.ndarray], shape: tuple[int, int], start: float, run_s: float
+    ) -> None:
+        """On the event loop: each request's (n, C) logits, then the batch's metrics."""
         for w, part in zip(batch, parts, strict=True):
             if not w.future.done():
                 w.future.set_result(BatchResult(part, shape[0], start - w.arrived, run_s))
         self._on_batch(shape[0], shape[0] * shape[1], run_s, [start - w.arrived for w in batch])
+
+    @staticmethod
+    def _fail(batch: list[_Waiting], exc: Exception) -> None:
+        """On the event loop: the run's failure is the answer of each request still waiting for it."""
+        for w in batch:
+            if not w.future.done():
+                w.future.set_exception(exc)
