@@ -22,7 +22,7 @@ import numpy as np
 from export.tokenizer import PAD_ID
 from service.errors import ModelQueueFullError
 
-RunFn = Callable[[np.ndarray, np.ndarray], np.ndarray]  # (N, T) ids, (N, T) mask -> (N, C) logits
+RunFn = Callable[[np.ndarray, np.ndarray, bool], np.ndarray]  # (N, T) ids, (N, T) mask, alone -> (N, C) logits
 BatchHook = Callable[[int, int, float, list[float]], None]  # rows, padded tokens, run seconds, queue wait per request
 
 
@@ -88,8 +88,9 @@ class DynamicBatcher:
     """One per model. Its runners are loops on `executor`'s threads, up to `max_runs` at a time: each takes the oldest
     waiting requests that fit a batch, runs ORT (off the event loop, which goes on reading requests), hands the
     results to the event loop in one call and takes the next batch at once, without waiting for the event loop to get
-    round to it; a runner ends when nothing waits. With max_runs 2 and a 2-thread session, a lone batch runs on both
-    threads and two batches run side by side, each on about one core, instead of queueing for both."""
+    round to it; a runner ends when nothing waits. With max_runs > 1, what waits is shared between the free run slots
+    and each run is told whether it started alone (nothing else in flight or waiting: the engine gives it every ORT
+    thread) or not (one thread each, side by side); no run starts beside a lone one."""
 
     def __init__(self, name: str, run: RunFn, executor: Executor, policy: BatchPolicy, on_batch: BatchHook):
         self.name = name
@@ -100,6 +101,7 @@ class DynamicBatcher:
         self._waiting_rows = 0
         self._runners = 0  # runner loops alive
         self._idle = 0  # of those, the ones not in an ORT run (about to take a batch, or in a batch window)
+        self._alone_in_flight = False  # a run that started alone (every ORT thread) is in flight: none starts beside it
 
     async def infer(self, ids: np.ndarray, mask: np.ndarray) -> BatchResult:
         """(n, T) ids and mask -> this request's result; more rows than a batch holds run as several chunks."""
@@ -125,20 +127,31 @@ class DynamicBatcher:
                 self._waiting.append(_Waiting(ids, mask, future, now))
                 self._waiting_rows += ids.shape[0]
             self._grown.notify()
-            start = self._idle == 0 and self._runners < self._policy.max_runs
-            if start:
-                self._runners += 1
-                self._idle += 1
+            start = self._claim_runner()
         if start:
             self._executor.submit(self._runner)
         return futures
 
+    def _claim_runner(self) -> bool:
+        """Whether a new runner must start for what waits: none is free to take it and a slot is. Not beside a run
+        that started alone: it has every ORT thread, one more run would oversubscribe the cores (its runner shares
+        what waits when it ends). Lock held."""
+        if self._idle or self._alone_in_flight or self._runners >= self._policy.max_runs:
+            return False
+        self._runners += 1
+        self._idle += 1
+        return True
+
     def _take(self) -> list[_Waiting]:
-        """The oldest waiting requests that fit one batch; requests whose client went away are dropped. Lock held."""
+        """The oldest waiting requests that fit one batch, and no more than this runner's share of what waits when
+        other run slots are free (they take the rest, each run on one core); requests whose client went away are
+        dropped. Lock held."""
+        free = self._policy.max_runs - (self._runners - self._idle)  # run slots not in an ORT run, this one's too
+        share = min(self._policy.max_batch_size, -(-self._waiting_rows // free))  # ceil(waiting / free slots)
         batch, rows = [], 0
         while self._waiting:
             item = self._waiting[0]
-            if not item.future.done() and batch and rows + item.ids.shape[0] > self._policy.max_batch_size:
+            if not item.future.done() and batch and rows + item.ids.shape[0] > share:
                 break
             self._waiting.popleft()
             self._waiting_rows -= item.ids.shape[0]
@@ -159,30 +172,35 @@ class DynamicBatcher:
             with self._lock:
                 if self._waiting and self._policy.max_wait_s > 0:
                     self._window()
-                batch = self._take()
+                batch = [] if self._alone_in_flight else self._take()  # what waits then is for the lone run's runner
                 if not batch:
                     self._runners -= 1
                     self._idle -= 1
                     return
                 self._idle -= 1
-            try:
-                self._run_batch(batch)
-            finally:
-                with self._lock:
-                    self._idle += 1
+                alone = self._runners - self._idle == 1 and not self._waiting  # no other run in flight, none to come
+                self._alone_in_flight = alone
+                sibling = bool(self._waiting) and self._claim_runner()  # the rest of the share goes beside this run
+            if sibling:
+                self._executor.submit(self._runner)
+            answer = self._run_batch(batch, alone)
+            with self._lock:  # free before the answer: a client that sends its next request at once finds it idle
+                self._idle += 1
+                if alone:
+                    self._alone_in_flight = False
+            with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody is left to answer
+                batch[0].future.get_loop().call_soon_threadsafe(answer)
 
-    def _run_batch(self, batch: list[_Waiting]) -> None:
-        """Merge, run and split on this runner's thread, then answer on the event loop; whatever fails here is every
-        request's answer."""
+    def _run_batch(self, batch: list[_Waiting], alone: bool) -> Callable[[], None]:
+        """Merge, run and split on this runner's thread -> what answers the batch on the event loop; whatever fails
+        here is every request's answer."""
         try:
             ids, mask, rows = merge([(w.ids, w.mask) for w in batch])  # (N, T) each, T = longest in batch
             start = time.perf_counter()
-            parts = split(self._run(ids, mask), rows)
-            answer = functools.partial(self._answer, batch, parts, ids.shape, start, time.perf_counter() - start)
+            parts = split(self._run(ids, mask, alone), rows)
+            return functools.partial(self._answer, batch, parts, ids.shape, start, time.perf_counter() - start)
         except Exception as exc:  # the runner goes on with the next batch
-            answer = functools.partial(self._fail, batch, exc)
-        with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody is left to answer
-            batch[0].future.get_loop().call_soon_threadsafe(answer)
+            return functools.partial(self._fail, batch, exc)
 
     def _answer(
         self, batch: list[_Waiting], parts: list[np.ndarray], shape: tuple[int, int], start: float, run_s: float

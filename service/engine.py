@@ -7,6 +7,7 @@ deployment; both placements share this code. No torch.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -54,26 +55,34 @@ class EngineSettings:
 
     backend: str  # auto, cpu or gpu: what was asked for
     threads: int  # ORT intra-op threads
-    policy: BatchPolicy
+    policy: BatchPolicy  # its max_runs is replaced by `runs`, resolved once the model is loaded (policy_for)
     spinning: str = "run"  # what ORT's waiting intra-op threads do: run, off or always (service/runtime.py)
     light_threads: int | None = None  # ORT threads for a model under LIGHT_MODEL_FLOPS on CPU; None: `threads`
+    runs: int | None = None  # ORT runs in flight at once; None: one per intra-op thread on CPU, one on GPU
 
     @classmethod
     def of(cls, settings: DeploymentSettings, backend: str) -> EngineSettings:
         """From a model's DeploymentSettings: the same engine settings in either placement."""
-        policy = BatchPolicy(
-            settings.max_batch_size,
-            settings.max_queued_requests,
-            settings.batch_wait_timeout_s,
+        policy = BatchPolicy(settings.max_batch_size, settings.max_queued_requests, settings.batch_wait_timeout_s)
+        return cls(
+            backend,
+            settings.threads(),
+            policy,
+            settings.ort_spinning,
+            settings.light_model_threads,
             settings.max_concurrent_batches,
         )
-        return cls(backend, settings.threads(), policy, settings.ort_spinning, settings.light_model_threads)
 
     def threads_for(self, meta: ModelMetadata, backend: str) -> int:
         """The ORT threads this model should run on, once its metadata and active backend are known."""
         if self.light_threads is not None and backend == "cpu" and flops_per_token(meta) < LIGHT_MODEL_FLOPS:
             return min(self.threads, self.light_threads)
         return self.threads
+
+    def policy_for(self, threads: int, backend: str) -> BatchPolicy:
+        """The batch policy once the model's threads and active backend are known: how many runs may be in flight."""
+        runs = self.runs or (threads if backend == "cpu" else 1)
+        return dataclasses.replace(self.policy, max_runs=runs)
 
 
 class ModelEngine:
@@ -91,16 +100,22 @@ class ModelEngine:
             self._runtime = rt
         except ModelFileError as exc:  # BackendError is not caught: whoever holds the engine fails, saying why
             self._error = str(exc)
-        # The batcher's runners hold up to max_runs threads while requests keep coming; one more for attention.
-        self._pool = ThreadPoolExecutor(max_workers=settings.policy.max_runs + 1, thread_name_prefix=f"ort-{name}")
-        self._metrics = ReplicaMetrics()
         rt = self._runtime
-        self.labels = model_labels(rt.meta, rt.backend) if rt is not None else model_labels(None, "", name)
         threads = rt.threads if rt is not None else settings.threads
+        policy = settings.policy_for(threads, rt.backend if rt is not None else "cpu")
+        self._beside = rt  # the session of a run that starts beside another
+        if rt is not None and policy.max_runs > 1 and rt.backend == "cpu" and rt.threads > 1:
+            # One thread, a core of its own: concurrent runs do not contend for the same threads. Opened now, so that
+            # memory at ready is memory under load, and from the same file as the main session a moment ago.
+            self._beside = load_runtime(models_dir, name, "cpu", 1, settings.spinning)
+        # The batcher's runners hold up to max_runs threads while requests keep coming; one more for attention.
+        self._pool = ThreadPoolExecutor(max_workers=policy.max_runs + 1, thread_name_prefix=f"ort-{name}")
+        self._metrics = ReplicaMetrics()
+        self.labels = model_labels(rt.meta, rt.backend) if rt is not None else model_labels(None, "", name)
         self._attention = AttentionVariant(models_dir, name, threads)  # opened on first use only
         self._batcher = None
         if rt is not None:
-            self._batcher = DynamicBatcher(name, rt.run, self._pool, settings.policy, self._record_batch)
+            self._batcher = DynamicBatcher(name, self._run, self._pool, policy, self._record_batch)
 
     def status(self) -> ModelStatus:
         rt = self._runtime
@@ -117,6 +132,10 @@ class ModelEngine:
     async def attention(self, ids: np.ndarray) -> AttentionResult:
         """(1, T) ids of one text -> per-layer, per-head weights from model.attn.onnx; not on the `infer` path."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, self._attention.run, ids)
+
+    def _run(self, ids: np.ndarray, mask: np.ndarray, alone: bool) -> np.ndarray:
+        """(N, T) ids and mask -> (N, C) logits: on every intra-op thread when the run started alone, else on one."""
+        return (self._runtime if alone else self._beside).run(ids, mask)
 
     def _record_batch(self, rows: int, tokens: int, run_s: float, waits: list[float]) -> None:
         self._metrics.batch(self.labels, rows, tokens, run_s, waits)

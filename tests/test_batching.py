@@ -87,3 +87,33 @@ def test_a_request_with_more_rows_than_max_batch_size_is_split_and_answered_in_o
         response = client.post(f"/v1/models/{NAME}/predict", json=body)
     assert response.status_code == 200, response.text
     np.testing.assert_allclose(response.json()["logits"], bare_logits(tiny_models_dir, NAME, ids, mask), atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def two_run_service(serve_port, tiny_models_dir):
+    """The model on two ORT threads, so two runs may be in flight at once (the default on CPU): a run that starts
+    alone has both threads, runs side by side have one each (a second session of the same file)."""
+    settings = {"num_cpus": 0.1, "intra_op_threads": 2, "max_batch_size": 4, "max_ongoing_requests": 64}
+    return deploy(serve_port, "two-runs", tiny_models_dir, models=[NAME], deployment=settings)
+
+
+@pytest.mark.serve
+def test_runs_side_by_side_on_one_thread_each_answer_as_a_lone_run_on_two_threads_does(two_run_service):
+    requests = [_rows(200 + i, 1 + i % 4, 3 + i) for i in range(24)]  # more rows than one batch holds at once
+
+    def predict(ids_mask):
+        ids, mask = ids_mask
+        body = {"input_ids": ids.tolist(), "attention_mask": mask.tolist()}
+        with two_run_service.client() as c:
+            return c.post(f"/v1/models/{NAME}/predict", json=body).json()
+
+    with ThreadPoolExecutor(len(requests)) as pool:
+        together = list(pool.map(predict, requests))
+    lone = [predict(r) for r in requests]  # one at a time: every run alone, on both threads
+    with two_run_service.client() as c:
+        (model,) = c.get("/v1/models").json()["models"]
+    assert model["threads"] == 2
+    for (ids, mask), t, a in zip(requests, together, lone, strict=True):
+        expected = bare_logits(two_run_service.models_dir, NAME, ids, mask)
+        np.testing.assert_allclose(np.asarray(t["logits"], dtype=np.float32), expected, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(a["logits"], dtype=np.float32), expected, atol=1e-5)

@@ -21,13 +21,15 @@ class SlowModel:
     def __init__(self, seconds: float = 0.0) -> None:
         self.seconds = seconds
         self.runs: list[tuple[int, int]] = []
+        self.alone: list[bool] = []  # per run: whether the batcher said it started with no other run in flight
         self.gate = threading.Event()
         self.gate.set()
 
-    def __call__(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    def __call__(self, ids: np.ndarray, mask: np.ndarray, alone: bool = True) -> np.ndarray:
         self.gate.wait(5)
         time.sleep(self.seconds)
         self.runs.append(ids.shape)
+        self.alone.append(alone)
         return np.stack([(ids * mask).sum(axis=1), mask.sum(axis=1)], axis=1).astype(np.float32)  # (N, 2)
 
 
@@ -109,7 +111,7 @@ def test_the_next_batch_starts_when_a_run_ends_even_while_the_event_loop_is_busy
     model = SlowModel()
     model.gate.clear()
     started: list[float] = []
-    b, _ = batcher(lambda ids, mask: (started.append(time.perf_counter()), model(ids, mask))[1], pool)
+    b, _ = batcher(lambda ids, mask, alone: (started.append(time.perf_counter()), model(ids, mask))[1], pool)
 
     async def busy_loop():
         first = asyncio.ensure_future(b.infer(*rows(1, 2)))
@@ -135,18 +137,18 @@ class ConcurrencyProbe(SlowModel):
         self._lock = threading.Lock()
         self.now = self.most = 0
 
-    def __call__(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    def __call__(self, ids: np.ndarray, mask: np.ndarray, alone: bool = True) -> np.ndarray:
         with self._lock:
             self.now += 1
             self.most = max(self.most, self.now)
         try:
-            return super().__call__(ids, mask)
+            return super().__call__(ids, mask, alone)
         finally:
             with self._lock:
                 self.now -= 1
 
 
-def test_with_two_runs_allowed_a_second_batch_starts_beside_the_first_and_a_third_waits_for_a_slot():
+def test_with_two_runs_allowed_none_starts_beside_a_lone_run_and_what_waited_is_then_shared_between_two():
     model = ConcurrencyProbe(seconds=0.1)
     with ThreadPoolExecutor(2) as two:
         b, _ = batcher(model, two, max_batch_size=32, max_runs=2)
@@ -154,15 +156,93 @@ def test_with_two_runs_allowed_a_second_batch_starts_beside_the_first_and_a_thir
 
         async def staggered():
             first = asyncio.ensure_future(b.infer(*requests[0]))
-            await asyncio.sleep(0.02)  # the first run is in flight; a second slot is free
-            second = asyncio.ensure_future(b.infer(*requests[1]))
-            await asyncio.sleep(0.02)  # both slots taken: the rest wait and share the next batch
-            rest = [asyncio.ensure_future(b.infer(*r)) for r in requests[2:]]
-            return await asyncio.gather(first, second, *rest)
+            await asyncio.sleep(0.02)  # the first run is in flight, alone: it has every ORT thread
+            rest = [asyncio.ensure_future(b.infer(*r)) for r in requests[1:]]
+            return await asyncio.gather(first, *rest)
 
         results = run(staggered())
-    assert model.most == 2
-    assert [n for n, _ in model.runs] == [1, 1, 4]
+    # five rows waited for the lone run to end, then ran as two runs side by side, each told it is not alone
+    assert model.runs[0] == (1, 2) and sorted(n for n, _ in model.runs[1:]) == [2, 3]
+    assert model.alone == [True, False, False] and model.most == 2
+    for (ids, mask), result in zip(requests, results, strict=True):
+        np.testing.assert_array_equal(result.logits, expected(ids, mask))
+
+
+def test_a_client_that_sends_its_next_request_as_soon_as_it_is_answered_always_runs_alone():
+    model = SlowModel()
+    with ThreadPoolExecutor(3) as executor:
+        b, _ = batcher(model, executor, max_runs=2)
+
+        async def one_after_another():
+            for i in range(300):
+                await b.infer(*rows(1, 2, i))
+
+        run(one_after_another())
+    # the runner is free before the answer reaches the client: the next request never finds a run in flight, and
+    # every run of a lone client gets every ORT thread
+    assert len(model.alone) == 300 and all(model.alone)
+
+
+class HeldRuns:
+    """Each run waits for its own release (runs numbered in start order) and records (rows, alone) when it starts."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.started: list[tuple[int, bool]] = []
+        self.release = [threading.Event() for _ in range(8)]
+
+    def __call__(self, ids: np.ndarray, mask: np.ndarray, alone: bool) -> np.ndarray:
+        with self._lock:
+            k = len(self.started)
+            self.started.append((ids.shape[0], alone))
+        self.release[k].wait(5)
+        return expected(ids, mask)
+
+    async def until_started(self, n: int) -> None:
+        for _ in range(500):
+            if len(self.started) >= n:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"{len(self.started)} runs started, expected {n}")
+
+
+class HeldSubmissions(ThreadPoolExecutor):
+    """An executor that holds what is submitted until `open()`, then runs it (and what follows) on its threads."""
+
+    def __init__(self, workers: int) -> None:
+        super().__init__(workers)
+        self._held: list | None = []
+
+    def submit(self, fn, /, *args, **kwargs):
+        if self._held is not None:
+            self._held.append((fn, args, kwargs))
+            return None
+        return super().submit(fn, *args, **kwargs)
+
+    def open(self) -> None:
+        held, self._held = self._held, None
+        for fn, args, kwargs in held:
+            super().submit(fn, *args, **kwargs)
+
+
+def test_rows_waiting_with_two_run_slots_free_are_shared_between_two_runs_each_beside_the_other():
+    model = HeldRuns()
+    with HeldSubmissions(3) as executor:
+        b, _ = batcher(model, executor, max_batch_size=32, max_runs=2)
+
+        async def four_then_start():
+            requests = [rows(2, 3, 10 * i) for i in range(4)]
+            tasks = [asyncio.ensure_future(b.infer(*r)) for r in requests]
+            await asyncio.sleep(0.02)  # all four wait: the runner claimed for the first is held
+            executor.open()
+            await model.until_started(2)
+            for event in model.release:
+                event.set()
+            return requests, await asyncio.gather(*tasks)
+
+        requests, results = run(four_then_start())
+    # 8 rows and two free slots: 4 rows each, both runs told they are not alone (each gets one core)
+    assert model.started == [(4, False), (4, False)]
     for (ids, mask), result in zip(requests, results, strict=True):
         np.testing.assert_array_equal(result.logits, expected(ids, mask))
 
@@ -217,7 +297,7 @@ def test_a_request_whose_client_went_away_is_not_run(pool):
 def test_a_failed_run_fails_its_requests_only(pool):
     calls = []
 
-    def flaky(ids, mask):
+    def flaky(ids, mask, alone):
         calls.append(ids.shape[0])
         if len(calls) == 1:
             raise RuntimeError("ORT failed")
