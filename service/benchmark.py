@@ -63,24 +63,9 @@ BARE_BATCHES = (8, 16, 32, 64)
 
 def bare_ort(models_dir: Path, name: str, seconds: float) -> dict:
     """Batch-1 p50 (best of 1 and 2 threads) and the best batched throughput in this process: each layout of
-    BARE_LAYOUTS at batch sizes 8-64 scanned, the best (layout, batch) measured for `seconds` (`remeasure_best`
-    measures it again later)."""
-    rng = np.random.default_rng(1)
-    out: dict = {}
-    for threads in (1, 2):
-        rt = load_runtime(models_dir, name, "cpu", threads)
-        ids = rng.integers(4, 260, size=(1, TOKENS))  # (1, T)
-        mask = np.ones_like(ids)
-        for _ in range(20):
-            rt.run(ids, mask)
-        times = []
-        deadline = time.perf_counter() + seconds / 2
-        while time.perf_counter() < deadline or len(times) < 20:
-            start = time.perf_counter()
-            rt.run(ids, mask)
-            times.append(time.perf_counter() - start)
-        out[f"p50_ms_t{threads}"] = float(np.median(times) * 1e3)
-    out["p50_ms"] = min(out["p50_ms_t1"], out["p50_ms_t2"])
+    BARE_LAYOUTS at batch sizes 8-64 scanned, the best (layout, batch) measured for `seconds` (`remeasure` measures
+    the p50 and that rate again later)."""
+    out: dict = batch1_p50s(models_dir, name, seconds)
     scan = {}
     for layout in BARE_LAYOUTS:
         runtimes = bare_runtimes(models_dir, name, layout)
@@ -122,14 +107,36 @@ def batched_rate(runtimes: list, batch: int, seconds: float) -> float:
     return sum(counts) / (time.perf_counter() - start)
 
 
-def remeasure_best(models_dir: Path, name: str, bare: dict, seconds: float) -> None:
-    """The best batched rate again, now: the bar's figure becomes the mean of the two measurements around the served
-    runs, so that the machine's drift between them cancels instead of counting (here the figure ranged 215-234 seq/s
-    across runs minutes apart)."""
-    runtimes = bare_runtimes(models_dir, name, bare["best_layout"])
-    bare["best_rate_before"] = bare["best_rate"]
-    bare["best_rate_after"] = batched_rate(runtimes, bare["best_batch"], seconds)
-    bare["best_rate"] = (bare["best_rate_before"] + bare["best_rate_after"]) / 2
+def batch1_p50s(models_dir: Path, name: str, seconds: float) -> dict[str, float]:
+    """Median latency of back-to-back batch-1 runs of TOKENS tokens on 1 and on 2 ORT threads, each for
+    seconds / 2, and the better of the two (`p50_ms`)."""
+    ids = np.random.default_rng(1).integers(4, 260, size=(1, TOKENS))  # (1, T)
+    mask = np.ones_like(ids)
+    out = {}
+    for threads in (1, 2):
+        rt = load_runtime(models_dir, name, "cpu", threads)
+        for _ in range(20):
+            rt.run(ids, mask)
+        times = []
+        deadline = time.perf_counter() + seconds / 2
+        while time.perf_counter() < deadline or len(times) < 20:
+            start = time.perf_counter()
+            rt.run(ids, mask)
+            times.append(time.perf_counter() - start)
+        out[f"p50_ms_t{threads}"] = float(np.median(times) * 1e3)
+    out["p50_ms"] = min(out["p50_ms_t1"], out["p50_ms_t2"])
+    return out
+
+
+def remeasure(models_dir: Path, name: str, bare: dict, seconds: float) -> None:
+    """The batch-1 p50 and the best batched rate again, now: the bar's figures become the means of the measurements
+    before and after the served runs, so that the machine's drift between them cancels instead of counting (here
+    the rate ranged 215-234 seq/s, and the default model's p50 5.1-6.2 ms, across runs minutes apart)."""
+    after = batch1_p50s(models_dir, name, seconds)
+    after["best_rate"] = batched_rate(bare_runtimes(models_dir, name, bare["best_layout"]), bare["best_batch"], seconds)
+    for key, value in after.items():
+        bare[f"{key}_before"], bare[f"{key}_after"] = bare[key], value
+        bare[key] = (bare[key] + value) / 2
 
 
 def measure(port: int, name: str, seconds: float, concurrency: int, profile_pid: int | None = None) -> dict:
@@ -240,7 +247,8 @@ def report(bare: dict, plain: dict | None, runs: dict[str, dict], summary: dict[
         b = bare[label]
         around = f"  ({b['best_layout']}, batch {b['best_batch']}"
         if "best_rate_after" in b:
-            around += f"; mean of {b['best_rate_before']:.0f} before and {b['best_rate_after']:.0f} after serve"
+            around += f"; means of {b['p50_ms_before']:.2f} / {b['best_rate_before']:.0f} before serve and "
+            around += f"{b['p50_ms_after']:.2f} / {b['best_rate_after']:.0f} after"
         line = f"{'bare ORT (b1 p50 / best batch)':<34} {label:<8} {b['p50_ms']:7.2f}ms {b['best_rate']:7.0f} seq/s"
         print(line + around + ")")
     if plain is not None:
@@ -309,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"mha-serving serve, placement {placement}...", flush=True)
             runs[f"serve ({placement})"] = served(args.models, names, placement, args)
             if placement == "colocated":  # the bar compares it with bare ORT: measured on both sides of it
-                remeasure_best(args.models, names["default"], bare["default"], args.seconds)
+                for label, name in names.items():
+                    remeasure(args.models, name, bare[label], args.seconds)
     if "five" in args.scenarios:
         print("mha-serving serve, the default model alone, then with the four other default models...", flush=True)
         runs["serve (default model alone)"] = served(args.models, {"default": names["default"]}, "colocated", args)
