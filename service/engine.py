@@ -104,10 +104,11 @@ class ModelEngine:
         threads = rt.threads if rt is not None else settings.threads
         policy = settings.policy_for(threads, rt.backend if rt is not None else "cpu")
         self._beside = rt  # the session of a run that starts beside another
-        if rt is not None and policy.max_runs > 1 and rt.backend == "cpu" and rt.threads > 1:
-            # One thread, a core of its own: concurrent runs do not contend for the same threads. Opened now, so that
-            # memory at ready is memory under load, and from the same file as the main session a moment ago.
-            self._beside = load_runtime(models_dir, name, "cpu", 1, settings.spinning)
+        if rt is not None and rt.backend == "cpu" and (beside := max(1, rt.threads // policy.max_runs)) < rt.threads:
+            # The threads shared out between the runs (one each by default): concurrent runs do not contend for the
+            # same threads. Opened now, so that memory at ready is memory under load, and from the same file as the
+            # main session a moment ago.
+            self._beside = load_runtime(models_dir, name, "cpu", beside, settings.spinning)
         # The batcher's runners hold up to max_runs threads while requests keep coming; one more for attention.
         self._pool = ThreadPoolExecutor(max_workers=policy.max_runs + 1, thread_name_prefix=f"ort-{name}")
         self._metrics = ReplicaMetrics()
@@ -134,7 +135,8 @@ class ModelEngine:
         return await asyncio.get_running_loop().run_in_executor(self._pool, self._attention.run, ids)
 
     def _run(self, ids: np.ndarray, mask: np.ndarray, alone: bool) -> np.ndarray:
-        """(N, T) ids and mask -> (N, C) logits: on every intra-op thread when the run started alone, else on one."""
+        """(N, T) ids and mask -> (N, C) logits: on every intra-op thread when the run started alone, else on its
+        share of them."""
         return (self._runtime if alone else self._beside).run(ids, mask)
 
     def _record_batch(self, rows: int, tokens: int, run_s: float, waits: list[float]) -> None:
