@@ -90,7 +90,7 @@ class DynamicBatcher:
     results to the event loop in one call and takes the next batch at once, without waiting for the event loop to get
     round to it; a runner ends when nothing waits. With max_runs > 1, what waits is shared between the free run slots
     and each run is told whether it started alone (nothing else in flight or waiting: the engine gives it every ORT
-    thread) or not (one thread each, side by side); no run starts beside a lone one."""
+    thread) or not (side by side, each on its share of the threads); no run starts beside a lone one."""
 
     def __init__(self, name: str, run: RunFn, executor: Executor, policy: BatchPolicy, on_batch: BatchHook):
         self.name = name
@@ -144,8 +144,8 @@ class DynamicBatcher:
 
     def _take(self) -> list[_Waiting]:
         """The oldest waiting requests that fit one batch, and no more than this runner's share of what waits when
-        other run slots are free (they take the rest, each run on one core); requests whose client went away are
-        dropped. Lock held."""
+        other run slots are free (they take the rest, each run on its share of the threads); requests whose client
+        went away are dropped. Lock held."""
         free = self._policy.max_runs - (self._runners - self._idle)  # run slots not in an ORT run, this one's too
         share = min(self._policy.max_batch_size, -(-self._waiting_rows // free))  # ceil(waiting / free slots)
         batch, rows = [], 0
@@ -183,11 +183,13 @@ class DynamicBatcher:
                 sibling = bool(self._waiting) and self._claim_runner()  # the rest of the share goes beside this run
             if sibling:
                 self._executor.submit(self._runner)
-            answer = self._run_batch(batch, alone)
-            with self._lock:  # free before the answer: a client that sends its next request at once finds it idle
-                self._idle += 1
-                if alone:
-                    self._alone_in_flight = False
+            try:
+                answer = self._run_batch(batch, alone)
+            finally:
+                with self._lock:  # free before the answer: a client that sends its next request at once finds it so
+                    self._idle += 1
+                    if alone:
+                        self._alone_in_flight = False
             with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody is left to answer
                 batch[0].future.get_loop().call_soon_threadsafe(answer)
 

@@ -60,7 +60,8 @@ class DeploymentSettings(BaseModel):
         "flight or waiting) gets every intra-op thread; runs side by side share them out (a second session of the "
         "same file with intra_op_threads / max_concurrent_batches threads, opened at load), so they do not contend for "
         "the same threads, and none starts beside a lone run; None: one run per intra-op thread on CPU, 1 on GPU "
-        "(measured on 2 cores, default model at c=32: ORT CPU 8.7 against 9.5 ms per request with 1)",
+        "(measured on 2 cores, default model at c=32: ORT CPU 8.7-10.0 against 9.5-12.6 ms per request with 1, the "
+        "rate within noise; README, Serve section)",
     )
     intra_op_threads: int | None = Field(None, ge=1, description="ORT intra-op threads; None: from num_cpus")
     light_model_threads: int | None = Field(
