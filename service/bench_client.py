@@ -48,32 +48,34 @@ async def _read_response(reader: asyncio.StreamReader) -> tuple[int, bytes]:
     return status, await reader.readexactly(length)
 
 
-async def _worker(port: int, requests: list[bytes], deadline: float, limit: int, out: list, offset: int) -> None:
+async def _worker(port: int, requests: list[bytes], deadline: float, out: list, offset: int) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     i = offset
     try:
-        while time.perf_counter() < deadline and len(out) < limit:
+        while time.perf_counter() < deadline:
             start = time.perf_counter()
             writer.write(requests[i % len(requests)])
             status, _ = await _read_response(reader)
-            out.append((status, time.perf_counter() - start))
+            end = time.perf_counter()
+            out.append((status, end - start, end))
             i += 1
     finally:
         writer.close()
 
 
-async def _run(port: int, requests: list[bytes], concurrency: int, seconds: float, limit: int) -> LoadResult:
-    out: list[tuple[int, float]] = []
-    start = time.perf_counter()
+async def _run(port: int, requests: list[bytes], concurrency: int, seconds: float, warmup_s: float) -> LoadResult:
+    out: list[tuple[int, float, float]] = []  # (status, latency, when it ended)
+    start = time.perf_counter() + warmup_s  # what ends before is not counted: the connections and first batches
     deadline = start + seconds
-    workers = [_worker(port, requests, deadline, limit, out, k * 7) for k in range(concurrency)]
+    workers = [_worker(port, requests, deadline, out, k * 7) for k in range(concurrency)]
     await asyncio.gather(*workers)
-    elapsed = time.perf_counter() - start
-    ok = np.array([t for s, t in out if s == 200])
-    return LoadResult(len(ok), sum(1 for s, _ in out if s != 200), elapsed, ok)
+    kept = [o for o in out if start <= o[2] <= deadline]  # what was still in flight at the deadline ended after it
+    ok = np.array([t for s, t, _ in kept if s == 200])
+    return LoadResult(len(ok), sum(1 for s, _, _ in kept if s != 200), seconds, ok)
 
 
-def load(port: int, requests: list[bytes], concurrency: int, seconds: float, limit: int = 10**9) -> LoadResult:
-    """`concurrency` connections, each sending the next request as soon as the last is answered (closed loop),
-    for `seconds` or until `limit` requests in all."""
-    return asyncio.run(_run(port, requests, concurrency, seconds, limit))
+def load(port: int, requests: list[bytes], concurrency: int, seconds: float, warmup_s: float = 0.0) -> LoadResult:
+    """`concurrency` connections, each sending the next request as soon as the last is answered (closed loop), for
+    `warmup_s` (not counted) then `seconds`. The rate is what ended within those
+    `seconds` over them (a run in flight at either edge is not counted as if it had taken the whole window)."""
+    return asyncio.run(_run(port, requests, concurrency, seconds, warmup_s))

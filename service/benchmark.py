@@ -9,7 +9,9 @@ are noisy on shared cores; compare within a run. No torch (missing models are ex
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import operator
 import os
 import shutil
 import subprocess
@@ -17,6 +19,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +27,7 @@ import yaml
 
 from export.metadata import MODEL_FILE, config_name
 from service.bench_client import LoadResult, load, post_bytes
-from service.bench_server import ServerProcess, cpu_seconds
+from service.bench_server import ServerProcess, cpu_seconds, paused
 from service.ports import free_port
 from service.runtime import SPINNING, load_runtime
 from service.stage_profile import stage_shares, table
@@ -59,22 +62,27 @@ def request_bodies(n: int, batch: int = 1, seed: int = 0) -> list[bytes]:
 # side by side). Two one-thread runs side by side are what the service runs under load on 2 cores.
 BARE_LAYOUTS = {"2 threads": (2, 1), "2 x 1 thread": (1, 2)}
 BARE_BATCHES = (8, 16, 32, 64)
+WARMUP_S = 0.5  # before every served measurement, not counted: connections, first batches, caches after a pause
 
 
-def bare_ort(models_dir: Path, name: str, seconds: float) -> dict:
-    """Batch-1 p50 (best of 1 and 2 threads) and the best batched throughput in this process: each layout of
-    BARE_LAYOUTS at batch sizes 8-64 scanned, the best (layout, batch) measured for `seconds` (`remeasure` measures
-    the p50 and that rate again later)."""
-    out: dict = batch1_p50s(models_dir, name, seconds)
+def bare_scan(models_dir: Path, name: str, seconds: float) -> dict:
+    """Which bare figures the rounds measure: the batch-1 p50 on 1 and 2 threads (the better one: `p50_threads`),
+    and the batched rate of each layout of BARE_LAYOUTS at batch sizes 8-64 (the best: `best_layout`,
+    `best_batch`), each a short sample of seconds / 4."""
+    out: dict = {}
+    for threads in (1, 2):
+        out[f"p50_ms_t{threads}"] = p50_ms(load_runtime(models_dir, name, "cpu", threads), seconds / 2)
+    out["p50_threads"] = 1 if out["p50_ms_t1"] <= out["p50_ms_t2"] else 2
+    out["p50_ms"] = out[f"p50_ms_t{out['p50_threads']}"]
     scan = {}
     for layout in BARE_LAYOUTS:
         runtimes = bare_runtimes(models_dir, name, layout)
         for batch in BARE_BATCHES:
             scan[(layout, batch)] = out[f"rate_b{batch} ({layout})"] = batched_rate(runtimes, batch, seconds / 4)
-    # The scan's maximum is biased upwards by this machine's noise (the luckiest of eight short samples); the best
-    # layout and batch size are measured again for as long as a served model is, and that is the figure the bar uses.
+    # The scan's maximum is biased upwards by this machine's noise (the luckiest of eight short samples): the best
+    # layout and batch size are measured again in every round, for as long as a served model is.
     out["best_layout"], out["best_batch"] = max(scan, key=scan.__getitem__)
-    out["best_rate"] = batched_rate(bare_runtimes(models_dir, name, out["best_layout"]), out["best_batch"], seconds)
+    out["best_rate"] = scan[(out["best_layout"], out["best_batch"])]
     return out
 
 
@@ -107,51 +115,44 @@ def batched_rate(runtimes: list, batch: int, seconds: float) -> float:
     return sum(counts) / (time.perf_counter() - start)
 
 
-def batch1_p50s(models_dir: Path, name: str, seconds: float) -> dict[str, float]:
-    """Median latency of back-to-back batch-1 runs of TOKENS tokens on 1 and on 2 ORT threads, each for
-    seconds / 2, and the better of the two (`p50_ms`)."""
+def p50_ms(runtime, seconds: float) -> float:
+    """Median latency of back-to-back batch-1 runs of TOKENS tokens for `seconds` (at least 20, after 20 more)."""
     ids = np.random.default_rng(1).integers(4, 260, size=(1, TOKENS))  # (1, T)
     mask = np.ones_like(ids)
-    out = {}
-    for threads in (1, 2):
-        rt = load_runtime(models_dir, name, "cpu", threads)
-        for _ in range(20):
-            rt.run(ids, mask)
-        times = []
-        deadline = time.perf_counter() + seconds / 2
-        while time.perf_counter() < deadline or len(times) < 20:
-            start = time.perf_counter()
-            rt.run(ids, mask)
-            times.append(time.perf_counter() - start)
-        out[f"p50_ms_t{threads}"] = float(np.median(times) * 1e3)
-    out["p50_ms"] = min(out["p50_ms_t1"], out["p50_ms_t2"])
-    return out
+    for _ in range(20):
+        runtime.run(ids, mask)
+    times = []
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline or len(times) < 20:
+        start = time.perf_counter()
+        runtime.run(ids, mask)
+        times.append(time.perf_counter() - start)
+    return float(np.median(times) * 1e3)
 
 
-def remeasure(models_dir: Path, name: str, bare: dict, seconds: float) -> None:
-    """The batch-1 p50 and the best batched rate again, now: the bar's figures become the means of the measurements
-    before and after the served runs, so that the machine's drift between them cancels instead of counting (here
-    the rate ranged 215-234 seq/s, and the default model's p50 5.1-6.2 ms, across runs minutes apart)."""
-    after = batch1_p50s(models_dir, name, seconds)
-    after["best_rate"] = batched_rate(bare_runtimes(models_dir, name, bare["best_layout"]), bare["best_batch"], seconds)
-    for key, value in after.items():
-        bare[f"{key}_before"], bare[f"{key}_after"] = bare[key], value
-        bare[key] = (bare[key] + value) / 2
+def bare_sides(models_dir: Path, name: str, scan: dict, prefix: str) -> dict[str, Side]:
+    """Bare ORT in this process as two sides of the rounds, on sessions opened once: the batch-1 p50 on the scan's
+    better thread count (`{prefix} c=1`) and the scan's best batched rate (`{prefix} loaded`)."""
+    single = load_runtime(models_dir, name, "cpu", scan["p50_threads"])
+    runtimes = bare_runtimes(models_dir, name, scan["best_layout"])
+    return {
+        f"{prefix} c=1": (lambda seconds: {"p50_ms": p50_ms(single, seconds)}, None),
+        f"{prefix} loaded": (lambda seconds: {"best_rate": batched_rate(runtimes, scan["best_batch"], seconds)}, None),
+    }
 
 
 def measure(port: int, name: str, seconds: float, concurrency: int, profile_pid: int | None = None) -> dict:
-    """c=1 p50 and c=`concurrency` throughput of one model over HTTP (v2 infer, 32 tokens); with `profile_pid`,
-    that process's CPU per request by stage during the loaded phase."""
+    """c=1 p50 and c=`concurrency` throughput of one model over HTTP (v2 infer, 32 tokens), each after WARMUP_S;
+    with `profile_pid`, that process's CPU per request by stage during the loaded phase."""
     requests = [post_bytes(f"/v2/models/{name}/infer", b) for b in request_bodies(64)]
-    load(port, requests, 4, 1.0)  # warm up
-    single: LoadResult = load(port, requests, 1, seconds)
+    single: LoadResult = load(port, requests, 1, seconds, WARMUP_S)
     spy, raw = None, Path(tempfile.mkdtemp(prefix="mha-profile-")) / "py-spy.txt"
     if profile_pid is not None:
         exe = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")  # the venv's, unactivated
         cmd = [exe, "record", "-p", str(profile_pid), "-d", str(int(seconds)), "-r", "200", "-f", "raw", "-o", str(raw)]
         spy = subprocess.Popen([*cmd, "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         cpu_before = cpu_seconds(profile_pid)
-    loaded: LoadResult = load(port, requests, concurrency, seconds)
+    loaded: LoadResult = load(port, requests, concurrency, seconds, WARMUP_S)
     stages = {}
     if spy is not None:
         cpu_ms = (cpu_seconds(profile_pid) - cpu_before) * 1e3 / max(1, loaded.requests + loaded.errors)
@@ -170,6 +171,76 @@ def measure(port: int, name: str, seconds: float, concurrency: int, profile_pid:
     }
 
 
+Side = tuple[Callable[[float], dict], object]  # (measure for `seconds`, the server it measures, or None: in process)
+
+
+def served_sides(port: int, name: str, concurrency: int, server, prefix: str) -> dict[str, Side]:
+    """A served model as two sides of the rounds: its c=1 p50 (`{prefix} c=1`) and its c=`concurrency` rate
+    (`{prefix} loaded`), each after WARMUP_S."""
+    requests = [post_bytes(f"/v2/models/{name}/infer", b) for b in request_bodies(64)]
+
+    def single(seconds: float) -> dict:
+        result = load(port, requests, 1, seconds, WARMUP_S)
+        return {"c1_p50_ms": result.percentile_ms(50), "errors": result.errors}
+
+    def loaded(seconds: float) -> dict:
+        result = load(port, requests, concurrency, seconds, WARMUP_S)
+        p50, p99 = result.percentile_ms(50), result.percentile_ms(99)
+        return {"rate": result.rate, "loaded_p50_ms": p50, "loaded_p99_ms": p99, "errors": result.errors}
+
+    return {f"{prefix} c=1": (single, server), f"{prefix} loaded": (loaded, server)}
+
+
+def interleaved(parts: dict[str, dict[str, Side]]) -> dict[str, Side]:
+    """Every part's c=1 side, then every part's loaded side: the figures the bar compares are measured one right
+    after the other (seconds apart, on this machine's drift), in either order of a round."""
+    sides = {}
+    for kind in ("c=1", "loaded"):
+        for prefix, part in parts.items():
+            sides[f"{prefix} {kind}"] = part[f"{prefix} {kind}"]
+    print(f"rounds of {', '.join(sides)}...", flush=True)
+    return sides
+
+
+def joined(got: dict[str, dict], prefix: str) -> dict:
+    """The `{prefix} c=1` and `{prefix} loaded` sides' results as one: their medians, errors summed, and their
+    rounds merged round by round."""
+    c1, loaded = got[f"{prefix} c=1"], got[f"{prefix} loaded"]
+    out = {**c1, **loaded, "errors": c1.get("errors", 0) + loaded.get("errors", 0)}
+    out["rounds"] = [{**x, **y} for x, y in zip(c1["rounds"], loaded["rounds"], strict=True)]
+    return out
+
+
+def rounds(sides: dict[str, Side], n: int, seconds: float) -> dict[str, dict]:
+    """Every side measured once per round, in turn (the order reversed every other round), with every server but
+    the one measured paused: no server's idle background counts against another's figures or the bare ones, and
+    the machine's drift over the minutes of a run cancels in figures compared round by round (`paired`). Each
+    side's result: the medians of its figures over the rounds (errors summed), and the rounds themselves."""
+    servers = {id(server): server for _, server in sides.values() if server is not None}
+    samples: dict[str, list[dict]] = {label: [] for label in sides}
+    for r in range(n):
+        for label in list(sides) if r % 2 == 0 else reversed(list(sides)):
+            fn, own = sides[label]
+            with contextlib.ExitStack() as stack:
+                for server in servers.values():
+                    if server is not own:
+                        stack.enter_context(server.paused())
+                samples[label].append(fn(seconds))
+    out = {}
+    for label, taken in samples.items():
+        keys = [k for k, v in taken[0].items() if isinstance(v, float)]
+        out[label] = {k: float(np.median([t[k] for t in taken])) for k in keys}
+        if "errors" in taken[0]:
+            out[label]["errors"] = sum(t["errors"] for t in taken)
+        out[label]["rounds"] = taken
+    return out
+
+
+def paired(a: dict, b: dict, key_a: str, key_b: str, op: Callable[[float, float], float]) -> list[float]:
+    """op(a's figure, b's figure in the same round), round by round (both from one `rounds`)."""
+    return [op(x[key_a], y[key_b]) for x, y in zip(a["rounds"], b["rounds"], strict=True)]
+
+
 def serve_config(models_dir: Path, names: list[str], placement: str, args) -> dict:
     """The AppConfig: `mha-serving serve`'s defaults, the given placement, and only the options asked for."""
     deployment: dict = {"placement": placement}
@@ -184,28 +255,53 @@ def serve_config(models_dir: Path, names: list[str], placement: str, args) -> di
     return {"models_dir": str(models_dir), "models": names, "backend": "cpu", "deployment": deployment}
 
 
-def served(models_dir: Path, names: dict[str, str], placement: str, args, measured: list[str] | None = None) -> dict:
-    """One `mha-serving serve` with these models (label -> name), the `measured` ones (default: all) measured in
-    turn while the others idle; RSS and time to ready; with --profile, the ingress's CPU by stage."""
+def serve(models_dir: Path, names: dict[str, str], placement: str, args) -> ServerProcess:
+    """A `mha-serving serve` of these models (label -> name), as a user starts it (not yet entered)."""
     config = serve_config(models_dir, sorted(names.values()), placement, args)
-    with ServerProcess(config, extra_args=["--proxy"] if args.proxy else []) as server:
-        out: dict = {"ready_s": server.ready_s, "rss_mib": server.rss_mib(), "processes": server.process_count()}
-        pid = server.replica_pid("ingress") if args.profile else None
-        for label in measured or list(names):
-            out[label] = measure(server.port, names[label], args.seconds, args.concurrency, pid)
+    return ServerProcess(config, extra_args=["--proxy"] if args.proxy else [])
+
+
+def started(server: ServerProcess, names: list[str]) -> dict:
+    """A server just ready: its time to ready, RSS and processes (before any other server starts), each model
+    warmed up (both of its sessions and every thread)."""
+    out = {"ready_s": server.ready_s, "rss_mib": server.rss_mib(), "processes": server.process_count()}
+    for name in names:
+        load(server.port, [post_bytes(f"/v2/models/{name}/infer", b) for b in request_bodies(8)], 4, 1.0)
     return out
 
 
-def plain_fastapi(models_dir: Path, name: str, args) -> dict[str, float]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "service.bench_baseline", "--models", str(models_dir), "--name", name]
-    proc = subprocess.Popen([*cmd, "--port", str(port), "--threads", "1"])
-    try:
-        ServerProcess.wait_for_http(port, "/docs", 60)
-        return measure(port, name, args.seconds, args.concurrency)
-    finally:
-        proc.terminate()
-        proc.wait(10)
+def profiled(server: ServerProcess, names: dict[str, str], args, run: dict, others: list) -> None:
+    """--profile: each model measured once more with py-spy on the ingress (others paused); its stages into `run`."""
+    pid = server.replica_pid("ingress")
+    with contextlib.ExitStack() as stack:
+        for other in others:
+            stack.enter_context(other.paused())
+        for label, name in names.items():
+            run[label]["stages"] = measure(server.port, name, args.seconds, args.concurrency, pid)["stages"]
+
+
+class PlainServer:
+    """The plain FastAPI + ORT server (service/bench_baseline.py, no batching, one thread) in a subprocess."""
+
+    def __init__(self, models_dir: Path, name: str) -> None:
+        self.port = free_port()
+        cmd = [sys.executable, "-m", "service.bench_baseline", "--models", str(models_dir), "--name", name]
+        self._proc = subprocess.Popen([*cmd, "--port", str(self.port), "--threads", "1"])
+
+    def __enter__(self) -> PlainServer:
+        try:
+            ServerProcess.wait_for_http(self.port, "/docs", 60, self._proc)
+        except Exception:
+            self.__exit__()
+            raise
+        return self
+
+    def paused(self):
+        return paused([self._proc.pid])
+
+    def __exit__(self, *exc) -> None:
+        self._proc.terminate()
+        self._proc.wait(10)
 
 
 BAR = {
@@ -221,36 +317,38 @@ BAR = {
 AT_MOST = {"small_c1_over_bare_ms", "default_c1_over_bare_ms", "five_c1_p50_over_alone", "five_pss_mib", "five_ready_s"}
 
 
-def ratios(bare: dict, plain: dict | None, runs: dict[str, dict]) -> dict[str, float]:
-    """The bar's figures, from whichever scenarios ran."""
-    out: dict[str, float] = {}
+def per_round(bare: dict, plain: dict | None, runs: dict[str, dict]) -> dict[str, list[float]]:
+    """The bar's figures round by round (`rounds`: both sides of each measured in the same round), from whichever
+    scenarios ran; the bar takes their medians."""
+    out: dict[str, list[float]] = {}
     colocated = runs.get("serve (colocated)")
     if colocated is not None:
         s, d = colocated["small"], colocated["default"]
         if plain is not None:
-            out["small_c32_over_plain"] = s["rate"] / plain["rate"]
-        out["default_c32_over_batched_ort"] = d["rate"] / bare["default"]["best_rate"]
-        out["small_c1_over_bare_ms"] = s["c1_p50_ms"] - bare["small"]["p50_ms"]
-        out["default_c1_over_bare_ms"] = d["c1_p50_ms"] - bare["default"]["p50_ms"]
+            out["small_c32_over_plain"] = paired(s, plain, "rate", "rate", operator.truediv)
+        out["default_c32_over_batched_ort"] = paired(d, bare["default"], "rate", "best_rate", operator.truediv)
+        out["small_c1_over_bare_ms"] = paired(s, bare["small"], "c1_p50_ms", "p50_ms", operator.sub)
+        out["default_c1_over_bare_ms"] = paired(d, bare["default"], "c1_p50_ms", "p50_ms", operator.sub)
     alone, five = runs.get("serve (default model alone)"), runs.get("serve (five default models)")
     if alone is not None and five is not None:
-        out["five_c1_p50_over_alone"] = five["busy"]["c1_p50_ms"] / alone["default"]["c1_p50_ms"]
-        out["five_c32_over_alone"] = five["busy"]["rate"] / alone["default"]["rate"]
-        out["five_pss_mib"] = five["rss_mib"]["Pss"]
-        out["five_ready_s"] = five["ready_s"]
+        out["five_c1_p50_over_alone"] = paired(
+            five["busy"], alone["default"], "c1_p50_ms", "c1_p50_ms", operator.truediv
+        )
+        out["five_c32_over_alone"] = paired(five["busy"], alone["default"], "rate", "rate", operator.truediv)
+        out["five_pss_mib"] = [five["rss_mib"]["Pss"]]
+        out["five_ready_s"] = [five["ready_s"]]
     return out
 
 
-def report(bare: dict, plain: dict | None, runs: dict[str, dict], summary: dict[str, float], concurrency: int) -> None:
+def report(bare: dict, plain: dict | None, runs: dict[str, dict], figures: dict[str, list[float]], args) -> None:
+    concurrency = args.concurrency
     print(f"\n{'server':<34} {'model':<8} {'c=1 p50':>9} {f'c={concurrency}':>11} {'p99':>9}  errors")
     for label in ("small", "default"):
         b = bare[label]
-        around = f"  ({b['best_layout']}, batch {b['best_batch']}"
-        if "best_rate_after" in b:
-            around += f"; means of {b['p50_ms_before']:.2f} / {b['best_rate_before']:.0f} before serve and "
-            around += f"{b['p50_ms_after']:.2f} / {b['best_rate_after']:.0f} after"
+        scan = b["scan"]
+        how = f"medians of {len(b['rounds'])} rounds" if "rounds" in b else "the scan"
         line = f"{'bare ORT (b1 p50 / best batch)':<34} {label:<8} {b['p50_ms']:7.2f}ms {b['best_rate']:7.0f} seq/s"
-        print(line + around + ")")
+        print(f"{line}  ({scan['p50_threads']} thread(s) / {scan['best_layout']}, batch {scan['best_batch']}; {how})")
     if plain is not None:
         print(f"{'plain FastAPI + ORT':<34} {'small':<8} {plain['c1_p50_ms']:7.2f}ms {plain['rate']:7.0f} req/s")
     for run_name, run in runs.items():
@@ -260,6 +358,7 @@ def report(bare: dict, plain: dict | None, runs: dict[str, dict], summary: dict[
                     f"{run_name:<34} {label:<8} {m['c1_p50_ms']:7.2f}ms {m['rate']:7.0f} req/s "
                     f"{m['loaded_p99_ms']:7.1f}ms  {m['errors']}"
                 )
+    print(f"(served and plain: medians of {args.rounds} rounds of {args.seconds:g} s per figure)")
     print(f"\n{'server':<34} {'ready':>7} {'processes':>9} {'RSS sum':>9} {'PSS sum':>9}")
     for run_name, run in runs.items():
         rss = run["rss_mib"]
@@ -269,17 +368,20 @@ def report(bare: dict, plain: dict | None, runs: dict[str, dict], summary: dict[
             if isinstance(m, dict) and "stages" in m:
                 print(f"\n{run_name}, {label} model, c={concurrency}: ingress CPU per request by stage (py-spy)")
                 print(table(m["stages"]["shares"], m["stages"]["cpu_ms_per_request"]))
-    print("\nratios (bar in brackets):")
-    for key, value in summary.items():
+    print("\nratios (bar in brackets; the median of the rounds, each round's figure after it):")
+    for key, values in figures.items():
+        value = float(np.median(values))
         sign = "<=" if key in AT_MOST else ">="
         ok = value <= BAR[key] if key in AT_MOST else value >= BAR[key]
-        print(f"  {key:<32} {value:9.2f}  [{sign} {BAR[key]:g}] {'ok' if ok else 'NOT MET'}")
+        each = " ".join(f"{v:.2f}" for v in values) if len(values) > 1 else ""
+        print(f"  {key:<32} {value:9.2f}  [{sign} {BAR[key]:g}] {'ok' if ok else 'NOT MET':<8} {each}")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m service.benchmark", description=__doc__.splitlines()[0])
     p.add_argument("--models", type=Path, default=Path("runs/bench-models"), help="where the models live")
-    p.add_argument("--seconds", type=float, default=5.0, help="per measurement (default: 5)")
+    p.add_argument("--seconds", type=float, default=2.5, help="per figure per round (default: 2.5)")
+    p.add_argument("--rounds", type=int, default=5, help="rounds of every comparison (default: 5)")
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--threads", type=int, help="ORT intra-op threads per model (default: the server's)")
     p.add_argument("--spinning", choices=SPINNING, help="ORT intra-op threads' spinning (default: the server's)")
@@ -301,35 +403,84 @@ def main(argv: list[str] | None = None) -> int:
         help="a model setting for every served model (AppConfig `deployment`), e.g. max_concurrent_batches=2",
     )
     args = p.parse_args(argv)
+    if args.rounds < 1 or args.seconds <= 0:
+        p.error("--rounds must be at least 1 and --seconds above 0")
     for item in args.env:
         key, _, value = item.partition("=")
         os.environ[key] = value
     names = {label: ensure_model(args.models, h, d, layers) for label, (d, h, layers) in MODELS.items()}
     five = [ensure_model(args.models, h, 512, 4) for h in FIVE_HEADS]
-    print(f"bare ORT ({TOKENS} tokens per sequence)...", flush=True)
-    bare = {label: bare_ort(args.models, name, args.seconds) for label, name in names.items()}
+    print(f"bare ORT ({TOKENS} tokens per sequence): which thread count, layout and batch size...", flush=True)
+    scans = {label: bare_scan(args.models, name, args.seconds) for label, name in names.items()}
+    bare = {
+        label: {"scan": scan, "p50_ms": scan["p50_ms"], "best_rate": scan["best_rate"]} for label, scan in scans.items()
+    }
     plain, runs = None, {}
-    if "plain" in args.scenarios:
-        print("plain FastAPI + ORT...", flush=True)
-        plain = plain_fastapi(args.models, names["small"], args)
-    for placement in ("colocated", "deployment"):
-        if placement in args.scenarios:
-            print(f"mha-serving serve, placement {placement}...", flush=True)
-            runs[f"serve ({placement})"] = served(args.models, names, placement, args)
-            if placement == "colocated":  # the bar compares it with bare ORT: measured on both sides of it
-                for label, name in names.items():
-                    remeasure(args.models, name, bare[label], args.seconds)
+    with contextlib.ExitStack() as stack:
+        parts: dict[str, dict[str, Side]] = {}  # what each model's sides are, in the order pairs are compared
+        if "colocated" in args.scenarios:
+            print("mha-serving serve, placement colocated...", flush=True)
+            colocated = stack.enter_context(serve(args.models, names, "colocated", args))
+            runs["serve (colocated)"] = started(colocated, list(names.values()))
+            for label, name in names.items():
+                parts[f"bare {label}"] = bare_sides(args.models, name, scans[label], f"bare {label}")
+                parts[f"serve {label}"] = served_sides(
+                    colocated.port, name, args.concurrency, colocated, f"serve {label}"
+                )
+        if "plain" in args.scenarios:
+            print("plain FastAPI + ORT...", flush=True)
+            baseline = stack.enter_context(PlainServer(args.models, names["small"]))
+            parts["plain small"] = served_sides(
+                baseline.port, names["small"], args.concurrency, baseline, "plain small"
+            )
+        if parts:
+            order = ("bare small", "serve small", "plain small", "bare default", "serve default")  # pairs adjacent
+            got = rounds(interleaved({k: parts[k] for k in order if k in parts}), args.rounds, args.seconds)
+            plain = joined(got, "plain small") if "plain small" in parts else None
+            if "colocated" in args.scenarios:
+                for label in names:
+                    bare[label].update(joined(got, f"bare {label}"))
+                    runs["serve (colocated)"][label] = joined(got, f"serve {label}")
+                if args.profile:
+                    profiled(colocated, names, args, runs["serve (colocated)"], [baseline] if plain else [])
+    if "deployment" in args.scenarios:
+        print("mha-serving serve, placement deployment...", flush=True)
+        with serve(args.models, names, "deployment", args) as server:
+            run = runs["serve (deployment)"] = started(server, list(names.values()))
+            parts = {label: served_sides(server.port, n, args.concurrency, server, label) for label, n in names.items()}
+            got = rounds(interleaved(parts), args.rounds, args.seconds)
+            run.update({label: joined(got, label) for label in names})
+            if args.profile:
+                profiled(server, names, args, run, [])
     if "five" in args.scenarios:
-        print("mha-serving serve, the default model alone, then with the four other default models...", flush=True)
-        runs["serve (default model alone)"] = served(args.models, {"default": names["default"]}, "colocated", args)
+        print("mha-serving serve, the five default models, then the default model alone beside them...", flush=True)
+        default = {"default": names["default"]}
         together = {"busy": names["default"], **{f"idle-{i}": n for i, n in enumerate(five) if n != names["default"]}}
-        runs["serve (five default models)"] = served(args.models, together, "colocated", args, measured=["busy"])
-    summary = ratios(bare, plain, runs)
-    report(bare, plain, runs, summary, args.concurrency)
+        with serve(args.models, together, "colocated", args) as five_server:
+            five_run = started(five_server, [names["default"]])  # PSS and ready before a second server starts
+            with serve(args.models, default, "colocated", args) as alone_server:
+                alone_run = started(alone_server, [names["default"]])
+                parts = {
+                    "alone": served_sides(alone_server.port, names["default"], args.concurrency, alone_server, "alone"),
+                    "busy": served_sides(five_server.port, names["default"], args.concurrency, five_server, "busy"),
+                }
+                got = rounds(interleaved(parts), args.rounds, args.seconds)
+        alone_run["default"], five_run["busy"] = joined(got, "alone"), joined(got, "busy")
+        runs["serve (default model alone)"], runs["serve (five default models)"] = alone_run, five_run
+    figures = per_round(bare, plain, runs)
+    report(bare, plain, runs, figures, args)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        figures = {"bare": bare, "plain": plain, "runs": runs, "ratios": summary, "settings": vars(args)}
-        args.json.write_text(json.dumps(figures, indent=2, default=str) + "\n")
+        summary = {key: float(np.median(values)) for key, values in figures.items()}
+        out = {
+            "bare": bare,
+            "plain": plain,
+            "runs": runs,
+            "ratios": summary,
+            "per_round": figures,
+            "settings": vars(args),
+        }
+        args.json.write_text(json.dumps(out, indent=2, default=str) + "\n")
     return 0
 
 
