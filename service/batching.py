@@ -1,8 +1,9 @@
 """Dynamic batching in process: requests for one model merged into ORT runs padded to their longest sequence.
 
 No wait when idle; while a run is in flight the next batch collects what arrives, up to `max_batch_size` rows, and
-starts as soon as the run ends, from the ORT thread itself; a bounded wait list answers OverCapacityError. The
-arithmetic (merge, split) is pure numpy. No torch, no Ray.
+starts as soon as the run ends, from the ORT thread itself; a bounded wait list answers OverCapacityError. A short
+request that finds the model idle and its process quiet runs on the event loop's own thread. The arithmetic (merge,
+split) is pure numpy. No torch, no Ray.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ class BatchPolicy:
     max_queued_requests: int = 256  # requests waiting for a run; one more gets OverCapacityError (503)
     max_wait_s: float = 0.0  # hold a batch that is not full up to this long for more rows; 0: never wait
     max_runs: int = 1  # ORT runs in flight at once (the executor needs as many workers); 1: one batch at a time
+    inline_max_s: float = 0.0  # a lone request expected to run at most this long runs on the event loop; 0: never
 
 
 @dataclass
@@ -90,11 +92,27 @@ class DynamicBatcher:
     results to the event loop in one call and takes the next batch at once, without waiting for the event loop to get
     round to it; a runner ends when nothing waits. With max_runs > 1, what waits is shared between the free run slots
     and each run is told whether it started alone (nothing else in flight or waiting: the engine gives it every ORT
-    thread) or not (side by side, each on its share of the threads); no run starts beside a lone one."""
+    thread) or not (side by side, each on its share of the threads); no run starts beside a lone one.
 
-    def __init__(self, name: str, run: RunFn, executor: Executor, policy: BatchPolicy, on_batch: BatchHook):
+    A request that finds nothing in flight or waiting, with `quiet()` true (nothing else in progress in the process)
+    and an expected run time (from the last lone runs, per token) of at most `inline_max_s`, runs inline on the
+    event loop's thread instead, as bare ORT would: no hand-off to a runner thread and back, and no third thread
+    beside ORT's on the cores. The loop is held for that one short run, during which a request for this model would
+    have waited for it anyway."""
+
+    def __init__(
+        self,
+        name: str,
+        run: RunFn,
+        executor: Executor,
+        policy: BatchPolicy,
+        on_batch: BatchHook,
+        quiet: Callable[[], bool] | None = None,
+    ):
         self.name = name
         self._run, self._executor, self._policy, self._on_batch = run, executor, policy, on_batch
+        self._quiet = quiet if policy.inline_max_s > 0 else None
+        self._lone_s_per_token: float | None = None  # ORT seconds per padded token of recent lone runs (a mean)
         self._lock = threading.Lock()  # guards everything below: the event loop and the runners share it
         self._grown = threading.Condition(self._lock)  # notified when a request joins the wait list (max_wait_s)
         self._waiting: deque[_Waiting] = deque()
@@ -108,12 +126,39 @@ class DynamicBatcher:
         step = self._policy.max_batch_size
         starts = range(0, ids.shape[0], step)
         if len(starts) == 1:
+            if self._inline_fits(ids):
+                return self._run_inline(ids, mask)
             return await self._enqueue([(ids, mask)])[0]
         futures = self._enqueue([(ids[i : i + step], mask[i : i + step]) for i in starts])
         parts = await asyncio.gather(*futures)
         logits = np.concatenate([p.logits for p in parts])  # (n, C)
         slowest = max(p.queue_s for p in parts)
         return BatchResult(logits, max(p.batch_rows for p in parts), slowest, sum(p.run_s for p in parts))
+
+    def _inline_fits(self, ids: np.ndarray) -> bool:
+        """Whether this (n, T) request runs inline: the model idle, the process quiet, its run expected short."""
+        per_token = self._lone_s_per_token
+        if self._quiet is None or per_token is None or per_token * ids.size > self._policy.inline_max_s:
+            return False
+        with self._lock:  # no run in flight, nothing waiting; a runner still alive finds nothing and ends
+            idle = self._runners == self._idle and not self._waiting
+        return idle and self._quiet()
+
+    def _run_inline(self, ids: np.ndarray, mask: np.ndarray) -> BatchResult:
+        """On the event loop's thread: one lone run of one request; its failure is the request's."""
+        ids, mask, rows = merge([(ids, mask)])  # (n, T), trailing padding trimmed
+        start = time.perf_counter()
+        logits = self._run(ids, mask, True)
+        run_s = time.perf_counter() - start
+        self._learn(run_s, ids.size)
+        asyncio.get_running_loop().call_soon(self._on_batch, rows[0], ids.size, run_s, [0.0])  # after the answer
+        return BatchResult(split(logits, rows)[0], rows[0], 0.0, run_s)
+
+    def _learn(self, run_s: float, tokens: int) -> None:
+        """A lone run's cost per padded token, folded into the running mean the inline check uses."""
+        sample = run_s / max(1, tokens)
+        last = self._lone_s_per_token
+        self._lone_s_per_token = sample if last is None else 0.75 * last + 0.25 * sample
 
     def _enqueue(self, parts: list[tuple[np.ndarray, np.ndarray]]) -> list[asyncio.Future]:
         """Join the wait list (all parts or none), starting a runner if every live one is busy and a slot is free."""
@@ -200,18 +245,22 @@ class DynamicBatcher:
             ids, mask, rows = merge([(w.ids, w.mask) for w in batch])  # (N, T) each, T = longest in batch
             start = time.perf_counter()
             parts = split(self._run(ids, mask, alone), rows)
-            return functools.partial(self._answer, batch, parts, ids.shape, start, time.perf_counter() - start)
+            run_s = time.perf_counter() - start
+            if alone:
+                self._learn(run_s, ids.size)
+            return functools.partial(self._answer, batch, parts, ids.shape, start, run_s)
         except Exception as exc:  # the runner goes on with the next batch
             return functools.partial(self._fail, batch, exc)
 
     def _answer(
         self, batch: list[_Waiting], parts: list[np.ndarray], shape: tuple[int, int], start: float, run_s: float
     ) -> None:
-        """On the event loop: each request's (n, C) logits, then the batch's metrics."""
+        """On the event loop: each request's (n, C) logits, then (once the answers are out) the batch's metrics."""
         for w, part in zip(batch, parts, strict=True):
             if not w.future.done():
                 w.future.set_result(BatchResult(part, shape[0], start - w.arrived, run_s))
-        self._on_batch(shape[0], shape[0] * shape[1], run_s, [start - w.arrived for w in batch])
+        waits = [start - w.arrived for w in batch]
+        batch[0].future.get_loop().call_soon(self._on_batch, shape[0], shape[0] * shape[1], run_s, waits)
 
     @staticmethod
     def _fail(batch: list[_Waiting], exc: Exception) -> None:

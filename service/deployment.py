@@ -23,6 +23,7 @@ class ModelServer:
     `attention`. A backend that cannot be honoured fails the replica at start, saying why."""
 
     def __init__(self, models_dir: str, name: str, backend: str, settings: DeploymentSettings) -> None:
+        # Never inline (quiet None): Ray calls queued for this replica's event loop are not seen until they run.
         self._engine = ModelEngine(models_dir, name, EngineSettings.of(settings, backend))
 
     def status(self) -> ModelStatus:

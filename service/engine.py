@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -64,6 +65,7 @@ class EngineSettings:
     def of(cls, settings: DeploymentSettings, backend: str) -> EngineSettings:
         """From a model's DeploymentSettings: the same engine settings in either placement."""
         policy = BatchPolicy(settings.max_batch_size, settings.max_queued_requests, settings.batch_wait_timeout_s)
+        policy = dataclasses.replace(policy, inline_max_s=settings.inline_run_max_ms / 1e3)
         return cls(
             backend,
             settings.threads(),
@@ -80,16 +82,22 @@ class EngineSettings:
         return self.threads
 
     def policy_for(self, threads: int, backend: str) -> BatchPolicy:
-        """The batch policy once the model's threads and active backend are known: how many runs may be in flight."""
+        """The batch policy once the model's threads and active backend are known: how many runs may be in flight,
+        and whether a short lone request may run on the event loop (on CPU: measured there only)."""
         runs = self.runs or (threads if backend == "cpu" else 1)
-        return dataclasses.replace(self.policy, max_runs=runs)
+        inline = self.policy.inline_max_s if backend == "cpu" else 0.0
+        return dataclasses.replace(self.policy, max_runs=runs, inline_max_s=inline)
 
 
 class ModelEngine:
     """Triton-style lifecycle: load once at construction (a bad folder is reported, a backend that cannot be honoured
     raises BackendError), then `infer` per request; `status` backs readiness and the model list."""
 
-    def __init__(self, models_dir: str, name: str, settings: EngineSettings) -> None:
+    def __init__(
+        self, models_dir: str, name: str, settings: EngineSettings, quiet: Callable[[], bool] | None = None
+    ) -> None:
+        """`quiet`: whether nothing but the request asking is in progress in this process (a short lone request
+        then runs on the event loop's thread); None: never inline."""
         self.name = name
         self._runtime: Runtime | None = None
         self._error = ""
@@ -116,7 +124,7 @@ class ModelEngine:
         self._attention = AttentionVariant(models_dir, name, threads)  # opened on first use only
         self._batcher = None
         if rt is not None:
-            self._batcher = DynamicBatcher(name, self._run, self._pool, policy, self._record_batch)
+            self._batcher = DynamicBatcher(name, self._run, self._pool, policy, self._record_batch, quiet)
 
     def status(self) -> ModelStatus:
         rt = self._runtime

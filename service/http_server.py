@@ -31,6 +31,7 @@ NO_SERVE_DISCONNECT_WATCH = (b"x-request-disconnect-disabled", b"?1")
 # Set by the launcher (before Ray starts) for `mha-serving serve` with direct ingress and no access log: the ingress
 # replica's server sends the inference routes straight to the application, past Serve's request wrapper.
 FAST_PATH = "MHA_SERVING_FAST_PATH"
+DIRECT_INGRESS = "RAY_SERVE_ENABLE_DIRECT_INGRESS"  # Serve's switch, set by the launcher: the ingress replica listens
 
 
 class CoalescedWrites:
@@ -76,6 +77,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
     limits = RequestLimits()
     watch_disconnects = False  # in the ingress replica (direct ingress): cancel a request whose client went away
     fast_app = None  # with watch_disconnects: the ASGI app the inference routes go to directly; None: all via Serve
+    in_progress = 0  # requests of this process's connections whose head is in and whose response is not complete
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -84,6 +86,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._arrived = 0  # bytes of the data received while it was incomplete
         self._refusal: ServiceError | None = None
         self._task: asyncio.Task | None = None  # the task running this connection's current request
+        self._counted = False  # this connection's current request is counted in `in_progress`
         if self.watch_disconnects:
             self.app = self._in_task(self.app)
 
@@ -107,11 +110,18 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self.transport = CoalescedWrites(transport, self.loop)  # type: ignore[assignment]
 
     def on_response_complete(self) -> None:
+        self._uncount()
         self.transport.flush()
         super().on_response_complete()
 
+    def _uncount(self) -> None:
+        if self._counted:
+            self._counted = False
+            LimitedHttpProtocol.in_progress -= 1
+
     def connection_lost(self, exc: Exception | None) -> None:
         """The client went away: a request still unanswered is cancelled (its batch slot freed, counted as 499)."""
+        self._uncount()
         cycle, task = self.cycle, self._task
         super().connection_lost(exc)
         if task is not None and cycle is not None and not cycle.response_complete and not task.done():
@@ -154,6 +164,9 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self.scope[HEAD_CHECKED] = True
         if self.watch_disconnects:
             self.headers.append(NO_SERVE_DISCONNECT_WATCH)  # the scope's header list
+        if not self._counted:
+            self._counted = True
+            LimitedHttpProtocol.in_progress += 1
         super().on_headers_complete()
 
     def _head_too_large(self) -> HeadersTooLargeError:
@@ -204,6 +217,14 @@ def install(limits: RequestLimits, watch_disconnects: bool = False, fast_app=Non
     LimitedHttpProtocol.fast_app = fast_app if watch_disconnects else None
     uvicorn.config.HTTP_PROTOCOLS["auto"] = PROTOCOL  # what uvicorn.Config(http="auto"), Serve's choice, loads
     http_util.socket = _ReusableAddressSockets()
+
+
+def requests_in_progress() -> int | None:
+    """Requests this process's own HTTP server has begun (head read) and not answered yet, every connection's, as
+    soon as their bytes were read; None unless this process is a direct-ingress replica serving HTTP itself (then
+    a request arriving through Ray is not seen until its handler runs)."""
+    serving = LimitedHttpProtocol.watch_disconnects and os.environ.get(DIRECT_INGRESS) == "1"
+    return LimitedHttpProtocol.in_progress if serving else None
 
 
 def installed() -> bool:

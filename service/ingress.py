@@ -139,7 +139,7 @@ class Ingress:
         self._models: dict[str, ModelPlacement] = {}
         for name in colocated:
             settings = EngineSettings.of(config.settings_for(name), config.backend_for(name))
-            self._models[name] = Colocated(ModelEngine(config.models_dir, name, settings))
+            self._models[name] = Colocated(ModelEngine(config.models_dir, name, settings, self._alone_in_progress))
         for name, handle in remote.items():
             coalescer = None
             if config.ingress.coalesce:
@@ -226,7 +226,16 @@ class Ingress:
             raise
         finally:
             self._in_flight -= 1
-            self._metrics.finished(labels, endpoint, code, time.perf_counter() - start, rejected)
+            elapsed = time.perf_counter() - start  # recorded once the answer is out (this task's send is next)
+            asyncio.get_running_loop().call_soon(self._metrics.finished, labels, endpoint, code, elapsed, rejected)
+
+    def _alone_in_progress(self) -> bool:
+        """Whether the inference request asking is the only request in progress in this replica, counting those
+        whose bytes were read and whose handler has not started yet (a co-located model may then run it on the
+        event loop: service/batching.py). Only when this replica serves HTTP itself (direct ingress): through
+        Serve's proxy, requests queued for the event loop are not seen, and nothing runs inline."""
+        arrived = http_server.requests_in_progress()
+        return arrived is not None and arrived <= 1 and self._in_flight <= 1
 
     async def _ready_model(self, name: str, status: ModelStatus | None = None) -> ModelStatus:
         """The status of a ready model (asked for unless given); NotReadyError saying why otherwise."""

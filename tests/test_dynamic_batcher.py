@@ -52,10 +52,10 @@ def pool():
         yield executor
 
 
-def batcher(model, pool, **policy) -> tuple[DynamicBatcher, list]:
+def batcher(model, pool, quiet=None, **policy) -> tuple[DynamicBatcher, list]:
     batches: list = []
     hook = lambda n, tokens, run_s, waits: batches.append((n, tokens, len(waits)))  # noqa: E731
-    return DynamicBatcher("m", model, pool, BatchPolicy(**policy), hook), batches
+    return DynamicBatcher("m", model, pool, BatchPolicy(**policy), hook, quiet), batches
 
 
 def test_an_idle_batcher_runs_a_request_at_once_alone(pool):
@@ -181,6 +181,84 @@ def test_a_client_that_sends_its_next_request_as_soon_as_it_is_answered_always_r
     # the runner is free before the answer reaches the client: the next request never finds a run in flight, and
     # every run of a lone client gets every ORT thread
     assert len(model.alone) == 300 and all(model.alone)
+
+
+class ThreadRecorder(SlowModel):
+    """A SlowModel that also records the thread each run ran on."""
+
+    def __init__(self, seconds: float = 0.0) -> None:
+        super().__init__(seconds)
+        self.threads: list[int] = []
+
+    def __call__(self, ids: np.ndarray, mask: np.ndarray, alone: bool = True) -> np.ndarray:
+        self.threads.append(threading.get_ident())
+        return super().__call__(ids, mask, alone)
+
+
+def test_a_short_lone_request_runs_on_the_event_loop_thread_once_its_cost_is_known(pool):
+    model = ThreadRecorder(seconds=0.001)
+    b, batches = batcher(model, pool, quiet=lambda: True, inline_max_s=1.0)
+    requests = [rows(1, 4, 10 * i) for i in range(3)]
+
+    async def one_after_another():
+        return threading.get_ident(), [await b.infer(*r) for r in requests]
+
+    loop_thread, results = run(one_after_another())
+    # the first run teaches the cost per token (on a runner); the next two, idle and short, run on the loop itself
+    assert model.threads[0] != loop_thread and model.threads[1:] == [loop_thread, loop_thread]
+    assert model.alone == [True, True, True] and batches == [(1, 4, 1)] * 3
+    for (ids, mask), result in zip(requests, results, strict=True):
+        np.testing.assert_array_equal(result.logits, expected(ids, mask))
+        assert result.batch_rows == 1
+
+
+def test_no_request_runs_inline_while_anything_else_is_in_progress_in_the_process(pool):
+    model = ThreadRecorder()
+    busy = [True]
+    b, _ = batcher(model, pool, quiet=lambda: not busy[0], inline_max_s=1.0)
+
+    async def sequence():
+        loop_thread = threading.get_ident()
+        for i in range(3):
+            await b.infer(*rows(1, 2, i))
+        busy[0] = False
+        await b.infer(*rows(1, 2, 9))
+        return loop_thread
+
+    loop_thread = run(sequence())
+    assert loop_thread not in model.threads[:3] and model.threads[3] == loop_thread
+
+
+def test_a_request_expected_to_run_longer_than_inline_max_goes_to_a_runner(pool):
+    model = ThreadRecorder(seconds=0.02)  # 20 ms a run: 5 ms per token at 4 tokens
+    b, _ = batcher(model, pool, quiet=lambda: True, inline_max_s=0.01)
+
+    async def sequence():
+        for length in (4, 4, 1):  # expected 20 ms, 20 ms (over 10: a runner), then 5 ms (inline)
+            await b.infer(*rows(1, length))
+        return threading.get_ident()
+
+    loop_thread = run(sequence())
+    assert model.threads[2] == loop_thread and loop_thread not in model.threads[:2]
+
+
+def test_a_request_arriving_during_a_run_waits_for_it_rather_than_running_inline(pool):
+    model = ThreadRecorder(seconds=0.01)
+    b, _ = batcher(model, pool, quiet=lambda: True, inline_max_s=0.5)
+
+    async def sequence():
+        await b.infer(*rows(1, 2))  # 5 ms per token from here on
+        model.gate.clear()
+        held = asyncio.ensure_future(b.infer(*rows(1, 2000)))  # too long for inline: a runner, held at the gate
+        await asyncio.sleep(0.05)
+        short = asyncio.ensure_future(b.infer(*rows(1, 2)))
+        await asyncio.sleep(0.05)
+        model.gate.set()
+        await asyncio.gather(held, short)
+        return threading.get_ident()
+
+    loop_thread = run(sequence())
+    assert len(model.threads) == 3 and loop_thread not in model.threads  # the short one ran after, on a runner
 
 
 class HeldRuns:

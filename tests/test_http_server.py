@@ -1,12 +1,15 @@
-"""The ingress's HTTP protocol pieces that need no server: a response's writes coalesced into one send, and nothing
-written is lost on close or EOF. The server itself runs in tests/test_reliability.py (direct ingress) and behind
-Serve's proxy in every API test."""
+"""The ingress's HTTP protocol pieces: a response's writes coalesced into one send, nothing written lost on close or
+EOF, and (on a real uvicorn server on loopback) the count of requests in progress. The whole server runs in
+tests/test_reliability.py (direct ingress) and behind Serve's proxy in every API test."""
 
 from __future__ import annotations
 
 import asyncio
 
-from service.http_server import CoalescedWrites
+import uvicorn
+
+from service.http_server import CoalescedWrites, LimitedHttpProtocol
+from service.ports import free_port
 
 
 class RecordingTransport(asyncio.Transport):
@@ -74,3 +77,50 @@ def test_a_flush_with_nothing_pending_sends_nothing():
         return sent.sends
 
     assert asyncio.run(idle()) == [b"x"]
+
+
+async def _serving(app):
+    """A real uvicorn server with LimitedHttpProtocol on a free loopback port, started in this event loop."""
+    config = uvicorn.Config(app, host="127.0.0.1", port=free_port(), http=LimitedHttpProtocol, lifespan="off")
+    server = uvicorn.Server(config)
+    task = asyncio.ensure_future(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    return server, task, config.port
+
+
+def test_requests_in_progress_counts_each_request_from_its_head_to_its_answer_or_its_client_leaving():
+    seen: list[int] = []
+    hold = asyncio.Event()
+
+    async def app(scope, receive, send):
+        seen.append(LimitedHttpProtocol.in_progress)
+        if scope["path"] == "/hold":
+            await hold.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    async def scenario() -> list[int]:
+        server, task, port = await _serving(app)
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            for _ in range(3):  # one after another on a keep-alive connection: each alone
+                writer.write(b"GET /now HTTP/1.1\r\nHost: x\r\n\r\n")
+                await reader.readuntil(b"{}")
+            held = await asyncio.open_connection("127.0.0.1", port)
+            held[1].write(b"GET /hold HTTP/1.1\r\nHost: x\r\n\r\n")
+            await asyncio.sleep(0.1)
+            writer.write(b"GET /now HTTP/1.1\r\nHost: x\r\n\r\n")  # beside the held one
+            await reader.readuntil(b"{}")
+            held[1].close()  # its client leaves before the answer
+            await asyncio.sleep(0.1)
+            after = LimitedHttpProtocol.in_progress
+            hold.set()
+            writer.close()
+            return [*seen, after]
+        finally:
+            server.should_exit = True
+            await task
+
+    before = LimitedHttpProtocol.in_progress
+    assert asyncio.run(asyncio.wait_for(scenario(), 20)) == [before + n for n in (1, 1, 1, 1, 2, 0)]
