@@ -86,7 +86,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._arrived = 0  # bytes of the data received while it was incomplete
         self._refusal: ServiceError | None = None
         self._task: asyncio.Task | None = None  # the task running this connection's current request
-        self._counted = False  # this connection's current request is counted in `in_progress`
+        self._counted = 0  # this connection's requests counted in `in_progress` (more when pipelined)
         if self.watch_disconnects:
             self.app = self._in_task(self.app)
 
@@ -110,18 +110,18 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self.transport = CoalescedWrites(transport, self.loop)  # type: ignore[assignment]
 
     def on_response_complete(self) -> None:
-        self._uncount()
+        self._uncount(1)
         self.transport.flush()
         super().on_response_complete()
 
-    def _uncount(self) -> None:
-        if self._counted:
-            self._counted = False
-            LimitedHttpProtocol.in_progress -= 1
+    def _uncount(self, n: int) -> None:
+        n = min(n, self._counted)
+        self._counted -= n
+        LimitedHttpProtocol.in_progress -= n
 
     def connection_lost(self, exc: Exception | None) -> None:
         """The client went away: a request still unanswered is cancelled (its batch slot freed, counted as 499)."""
-        self._uncount()
+        self._uncount(self._counted)
         cycle, task = self.cycle, self._task
         super().connection_lost(exc)
         if task is not None and cycle is not None and not cycle.response_complete and not task.done():
@@ -164,9 +164,8 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self.scope[HEAD_CHECKED] = True
         if self.watch_disconnects:
             self.headers.append(NO_SERVE_DISCONNECT_WATCH)  # the scope's header list
-        if not self._counted:
-            self._counted = True
-            LimitedHttpProtocol.in_progress += 1
+        self._counted += 1
+        LimitedHttpProtocol.in_progress += 1
         super().on_headers_complete()
 
     def _head_too_large(self) -> HeadersTooLargeError:

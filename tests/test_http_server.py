@@ -89,7 +89,7 @@ async def _serving(app):
     return server, task, config.port
 
 
-def test_requests_in_progress_counts_each_request_from_its_head_to_its_answer_or_its_client_leaving():
+def test_requests_in_progress_counts_each_request_from_its_head_to_its_answer_or_its_client_leaving_pipelined_too():
     seen: list[int] = []
     hold = asyncio.Event()
 
@@ -115,12 +115,16 @@ def test_requests_in_progress_counts_each_request_from_its_head_to_its_answer_or
             held[1].close()  # its client leaves before the answer
             await asyncio.sleep(0.1)
             after = LimitedHttpProtocol.in_progress
+            writer.write(b"GET /pipelined HTTP/1.1\r\nHost: x\r\n\r\n" * 2)  # two heads in one send
+            await reader.readuntil(b"{}")
+            await reader.readuntil(b"{}")
+            await asyncio.sleep(0.05)
             hold.set()
             writer.close()
-            return [*seen, after]
+            return [*seen[:5], after, *seen[5:], LimitedHttpProtocol.in_progress]  # pipelined: both heads in, then one
         finally:
             server.should_exit = True
             await task
 
     before = LimitedHttpProtocol.in_progress
-    assert asyncio.run(asyncio.wait_for(scenario(), 20)) == [before + n for n in (1, 1, 1, 1, 2, 0)]
+    assert asyncio.run(asyncio.wait_for(scenario(), 20)) == [before + n for n in (1, 1, 1, 1, 2, 0, 2, 1, 0)]
