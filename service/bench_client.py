@@ -76,6 +76,6 @@ async def _run(port: int, requests: list[bytes], concurrency: int, seconds: floa
 
 def load(port: int, requests: list[bytes], concurrency: int, seconds: float, warmup_s: float = 0.0) -> LoadResult:
     """`concurrency` connections, each sending the next request as soon as the last is answered (closed loop), for
-    `warmup_s` (not counted) then `seconds`. The rate is what ended within those
-    `seconds` over them (a run in flight at either edge is not counted as if it had taken the whole window)."""
+    `warmup_s` (not counted) then `seconds`. The rate is what ended within those `seconds` over them (a request in
+    flight at either edge is not counted as if it had taken the whole window)."""
     return asyncio.run(_run(port, requests, concurrency, seconds, warmup_s))

@@ -141,34 +141,23 @@ def bare_sides(models_dir: Path, name: str, scan: dict, prefix: str) -> dict[str
     }
 
 
-def measure(port: int, name: str, seconds: float, concurrency: int, profile_pid: int | None = None) -> dict:
-    """c=1 p50 and c=`concurrency` throughput of one model over HTTP (v2 infer, 32 tokens), each after WARMUP_S;
-    with `profile_pid`, that process's CPU per request by stage during the loaded phase."""
+def loaded_stages(port: int, name: str, seconds: float, concurrency: int, pid: int) -> dict:
+    """Process `pid`'s CPU per request by stage (py-spy) while one model is served at c=`concurrency` for `seconds`;
+    empty if py-spy failed (it says why on stderr)."""
     requests = [post_bytes(f"/v2/models/{name}/infer", b) for b in request_bodies(64)]
-    single: LoadResult = load(port, requests, 1, seconds, WARMUP_S)
-    spy, raw = None, Path(tempfile.mkdtemp(prefix="mha-profile-")) / "py-spy.txt"
-    if profile_pid is not None:
-        exe = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")  # the venv's, unactivated
-        cmd = [exe, "record", "-p", str(profile_pid), "-d", str(int(seconds)), "-r", "200", "-f", "raw", "-o", str(raw)]
-        spy = subprocess.Popen([*cmd, "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        cpu_before = cpu_seconds(profile_pid)
-    loaded: LoadResult = load(port, requests, concurrency, seconds, WARMUP_S)
-    stages = {}
-    if spy is not None:
-        cpu_ms = (cpu_seconds(profile_pid) - cpu_before) * 1e3 / max(1, loaded.requests + loaded.errors)
-        _, err = spy.communicate(timeout=60)
-        if raw.is_file():
-            stages = {"cpu_ms_per_request": cpu_ms, "shares": stage_shares(raw.read_text())}
-        else:
-            print(f"py-spy failed: {err.decode(errors='replace').strip()[-300:]}", file=sys.stderr)
-    return {
-        "c1_p50_ms": single.percentile_ms(50),
-        "rate": loaded.rate,
-        "loaded_p50_ms": loaded.percentile_ms(50),
-        "loaded_p99_ms": loaded.percentile_ms(99),
-        "errors": single.errors + loaded.errors,
-        **({"stages": stages} if stages else {}),
-    }
+    load(port, requests, concurrency, WARMUP_S)
+    raw = Path(tempfile.mkdtemp(prefix="mha-profile-")) / "py-spy.txt"
+    exe = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")  # the venv's, unactivated
+    cmd = [exe, "record", "-p", str(pid), "-d", str(int(seconds)), "-r", "200", "-f", "raw", "-o", str(raw)]
+    spy = subprocess.Popen([*cmd, "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    cpu_before = cpu_seconds(pid)
+    loaded: LoadResult = load(port, requests, concurrency, seconds)
+    cpu_ms = (cpu_seconds(pid) - cpu_before) * 1e3 / max(1, loaded.requests + loaded.errors)
+    _, err = spy.communicate(timeout=60)
+    if not raw.is_file():
+        print(f"py-spy failed: {err.decode(errors='replace').strip()[-300:]}", file=sys.stderr)
+        return {}
+    return {"cpu_ms_per_request": cpu_ms, "shares": stage_shares(raw.read_text())}
 
 
 Side = tuple[Callable[[float], dict], object]  # (measure for `seconds`, the server it measures, or None: in process)
@@ -277,7 +266,8 @@ def profiled(server: ServerProcess, names: dict[str, str], args, run: dict, othe
         for other in others:
             stack.enter_context(other.paused())
         for label, name in names.items():
-            run[label]["stages"] = measure(server.port, name, args.seconds, args.concurrency, pid)["stages"]
+            if stages := loaded_stages(server.port, name, args.seconds, args.concurrency, pid):
+                run[label]["stages"] = stages
 
 
 class PlainServer:

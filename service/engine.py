@@ -64,8 +64,12 @@ class EngineSettings:
     @classmethod
     def of(cls, settings: DeploymentSettings, backend: str) -> EngineSettings:
         """From a model's DeploymentSettings: the same engine settings in either placement."""
-        policy = BatchPolicy(settings.max_batch_size, settings.max_queued_requests, settings.batch_wait_timeout_s)
-        policy = dataclasses.replace(policy, inline_max_s=settings.inline_run_max_ms / 1e3)
+        policy = BatchPolicy(
+            settings.max_batch_size,
+            settings.max_queued_requests,
+            settings.batch_wait_timeout_s,
+            inline_max_s=settings.inline_run_max_ms / 1e3,
+        )
         return cls(
             backend,
             settings.threads(),

@@ -78,6 +78,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
     watch_disconnects = False  # in the ingress replica (direct ingress): cancel a request whose client went away
     fast_app = None  # with watch_disconnects: the ASGI app the inference routes go to directly; None: all via Serve
     in_progress = 0  # requests of this process's connections whose head is in and whose response is not complete
+    counts_arrivals = False  # set by `install`: this process is a direct-ingress replica, its server sees every request
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -214,6 +215,7 @@ def install(limits: RequestLimits, watch_disconnects: bool = False, fast_app=Non
     LimitedHttpProtocol.limits = limits
     LimitedHttpProtocol.watch_disconnects = watch_disconnects
     LimitedHttpProtocol.fast_app = fast_app if watch_disconnects else None
+    LimitedHttpProtocol.counts_arrivals = watch_disconnects and os.environ.get(DIRECT_INGRESS) == "1"
     uvicorn.config.HTTP_PROTOCOLS["auto"] = PROTOCOL  # what uvicorn.Config(http="auto"), Serve's choice, loads
     http_util.socket = _ReusableAddressSockets()
 
@@ -222,8 +224,7 @@ def requests_in_progress() -> int | None:
     """Requests this process's own HTTP server has begun (head read) and not answered yet, every connection's, as
     soon as their bytes were read; None unless this process is a direct-ingress replica serving HTTP itself (then
     a request arriving through Ray is not seen until its handler runs)."""
-    serving = LimitedHttpProtocol.watch_disconnects and os.environ.get(DIRECT_INGRESS) == "1"
-    return LimitedHttpProtocol.in_progress if serving else None
+    return LimitedHttpProtocol.in_progress if LimitedHttpProtocol.counts_arrivals else None
 
 
 def installed() -> bool:
