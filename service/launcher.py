@@ -43,8 +43,14 @@ LOCAL_RAY_ENV = {
 }
 
 
-def set_local_ray_env() -> None:
-    for key, value in LOCAL_RAY_ENV.items():
+# With --access-log: Serve's throughput-optimized mode buffers the request path's log lines 1,000 at a time and
+# writes them only to its log files; one at a time, and to stderr too, each request's line reaches the server's
+# output as it happens (through Ray's log monitor).
+ACCESS_LOG_ENV = {"RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1", "RAY_SERVE_LOG_TO_STDERR": "1"}
+
+
+def set_local_ray_env(access_log: bool = False) -> None:
+    for key, value in {**LOCAL_RAY_ENV, **(ACCESS_LOG_ENV if access_log else {})}.items():
         os.environ.setdefault(key, value)
 
 
@@ -167,7 +173,7 @@ def start_local(config: AppConfig, opts: LocalServe) -> None:
     """Start an embedded Ray and Serve, and deploy `build_app(config)`; returns once every replica is up."""
     listen_env(opts)
     config = local_defaults(config, opts.direct)
-    set_local_ray_env()
+    set_local_ray_env(opts.access_log)
     import ray
     from ray import serve
 
@@ -186,10 +192,38 @@ def start_local(config: AppConfig, opts: LocalServe) -> None:
         **extra,
     )
     signal.signal(signal.SIGTERM, _interrupt)  # after ray.init, which installs its own handler
+    stop_idle_helpers(opts)
     proxy_port = ports.free_port(opts.host) if opts.direct else opts.port  # the same host: Serve shares it
     serve.start(http_options={"host": opts.host, "port": proxy_port})
     logging = {"enable_access_log": opts.access_log, "log_level": "INFO" if opts.access_log else "WARNING"}
     serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False, logging_config=logging)
+
+
+# Processes the embedded Ray starts that a local server does not use, stopped once Ray is up (each one's CPU while
+# the service is idle and under load, 2 cores: README, Serve section). Ray's head node watches none of them.
+# - the log monitor forwards the workers' log files to the driver's stdout, which happens only with --access-log
+#   (log_to_driver); otherwise it globs and reads the log folder ten times a second for no reader (~14 ms of CPU a
+#   second). The files themselves are written by the workers either way.
+# - the autoscaler's monitor scales a cluster's nodes: one machine has none to add (Serve scales replicas itself).
+# - the dashboard's head process, started even without --dashboard (usage statistics only); the metrics export is
+#   the dashboard agent's, which stays.
+IDLE_HELPERS = {"log monitor": "kill_log_monitor", "autoscaler monitor": "kill_monitor", "dashboard": "kill_dashboard"}
+
+
+def stop_idle_helpers(opts: LocalServe) -> list[str]:
+    """Stop the helper processes of IDLE_HELPERS this server does not use; returns the ones stopped."""
+    import ray._private.worker
+
+    node = ray._private.worker._global_node
+    keep = {"log monitor"} if opts.access_log else set()
+    keep |= {"dashboard"} if opts.dashboard else set()
+    stopped = []
+    for label, method in IDLE_HELPERS.items():
+        if label in keep or node is None or not hasattr(node, method):
+            continue
+        getattr(node, method)(check_alive=False)
+        stopped.append(label)
+    return stopped
 
 
 def report(args: argparse.Namespace) -> None:

@@ -9,12 +9,14 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 from serving import free_port
 
 from service import launcher, ports, up
+from service.bench_server import descendants
 
 
 def test_missing_models_folder_is_one_line_and_exit_2(tmp_path, capsys):
@@ -84,12 +86,27 @@ def test_up_finds_which_default_models_are_missing(tiny_models_dir, tmp_path):
     assert "mha-h8-d512" not in up.missing_models(tmp_path)
 
 
+def ray_helpers(pid: int) -> set[str]:
+    """Which of Ray's helper processes (launcher.IDLE_HELPERS) run in the process tree below `pid`."""
+    scripts = {"log_monitor.py": "log monitor", "autoscaler/_private/monitor.py": "autoscaler monitor"}
+    scripts["dashboard/dashboard.py"] = "dashboard"
+    found = set()
+    for child in descendants(pid):
+        try:
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        found |= {label for script, label in scripts.items() if script in cmdline}
+    return found
+
+
 @pytest.mark.serve
 @pytest.mark.slow
-def test_serve_starts_answers_on_its_port_and_stops_cleanly_on_sigterm(tiny_models_dir, tmp_path):
+@pytest.mark.parametrize("access_log", [False, True], ids=["default", "access-log"])
+def test_serve_starts_answers_on_its_port_and_stops_cleanly_on_sigterm(tiny_models_dir, tmp_path, access_log):
     port, metrics_port = free_port(), free_port()
     cmd = [sys.executable, "-m", "service.cli", "serve", "--models", str(tiny_models_dir), "--port", str(port)]
-    cmd += ["--metrics-port", str(metrics_port), "--num-cpus", "2"]
+    cmd += ["--metrics-port", str(metrics_port), "--num-cpus", "2", *(["--access-log"] if access_log else [])]
     log = tmp_path / "serve.log"
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -105,6 +122,15 @@ def test_serve_starts_answers_on_its_port_and_stops_cleanly_on_sigterm(tiny_mode
         assert "model mha-h2-d32: h=2 head_dim=16 d_model=32 on cpu" in text
         r = httpx.post(f"http://127.0.0.1:{port}/v1/models/mha-h2-d32/predict", json={"text": "hi"}, timeout=30)
         assert r.status_code == 200 and r.json()["model"] == "mha-h2-d32"
+        # Ray's helpers that nothing reads locally are gone; the log monitor stays when it has the access log to
+        # forward to the server's output, and the metrics export (the dashboard agent's) stays either way
+        assert ray_helpers(proc.pid) == ({"log monitor"} if access_log else set())
+        assert httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).status_code == 200
+        if access_log:
+            deadline = time.time() + 30
+            while "POST /v1/models/{name}/predict 200" not in log.read_text():  # Serve logs the route
+                assert time.time() < deadline, "no access log line within 30 s:\n" + log.read_text()
+                time.sleep(0.5)
     finally:
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=90)
