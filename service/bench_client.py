@@ -5,8 +5,10 @@ client steals as little CPU from the server as possible. Loopback only. No torch
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from dataclasses import dataclass
+from typing import BinaryIO
 
 import numpy as np
 
@@ -31,11 +33,20 @@ def post_bytes(path: str, body: bytes) -> bytes:
     return (head + f"Content-Length: {len(body)}\r\n\r\n").encode() + body
 
 
+def _body_length(head: bytes) -> int | None:
+    """A response head's Content-Length; None for a chunked body."""
+    lower = head.lower()
+    if b"transfer-encoding: chunked" in lower:
+        return None
+    start = lower.index(b"content-length:") + len(b"content-length:")
+    return int(lower[start : lower.index(b"\r\n", start)])
+
+
 async def _read_response(reader: asyncio.StreamReader) -> tuple[int, bytes]:
     head = await reader.readuntil(b"\r\n\r\n")
     status = int(head[9:12])
-    lower = head.lower()
-    if b"transfer-encoding: chunked" in lower:
+    length = _body_length(head)
+    if length is None:
         body = b""
         while True:
             size = int((await reader.readuntil(b"\r\n"))[:-2], 16)
@@ -43,9 +54,20 @@ async def _read_response(reader: asyncio.StreamReader) -> tuple[int, bytes]:
             if size == 0:
                 return status, body
             body += chunk[:-2]
-    start = lower.index(b"content-length:") + len(b"content-length:")
-    length = int(lower[start : lower.index(b"\r\n", start)])
     return status, await reader.readexactly(length)
+
+
+def _read_response_blocking(stream: BinaryIO) -> tuple[int, bytes]:
+    head = b""
+    while not head.endswith(b"\r\n\r\n"):
+        line = stream.readline()
+        if not line:
+            raise ConnectionError("the server closed the connection")
+        head += line
+    length = _body_length(head)
+    if length is None:
+        raise ValueError("the one-connection client reads Content-Length bodies only, and this one was chunked")
+    return int(head[9:12]), stream.read(length)
 
 
 async def _worker(port: int, requests: list[bytes], deadline: float, out: list, offset: int) -> None:
@@ -63,19 +85,39 @@ async def _worker(port: int, requests: list[bytes], deadline: float, out: list, 
         writer.close()
 
 
-async def _run(port: int, requests: list[bytes], concurrency: int, seconds: float, warmup_s: float) -> LoadResult:
+async def _run(port: int, requests: list[bytes], concurrency: int, deadline: float) -> list:
     out: list[tuple[int, float, float]] = []  # (status, latency, when it ended)
-    start = time.perf_counter() + warmup_s  # what ends before is not counted: the connections and first batches
-    deadline = start + seconds
-    workers = [_worker(port, requests, deadline, out, k * 7) for k in range(concurrency)]
-    await asyncio.gather(*workers)
-    kept = [o for o in out if start <= o[2] <= deadline]  # what was still in flight at the deadline ended after it
-    ok = np.array([t for s, t, _ in kept if s == 200])
-    return LoadResult(len(ok), sum(1 for s, _, _ in kept if s != 200), seconds, ok)
+    await asyncio.gather(*[_worker(port, requests, deadline, out, k * 7) for k in range(concurrency)])
+    return out
+
+
+def _one_connection(port: int, requests: list[bytes], deadline: float) -> list:
+    """One closed-loop connection on a blocking socket: at c=1 the client's own CPU is in every latency, and an
+    event loop's (asyncio's, per request) is what this saves (0.1-0.3 ms per request here, on 2 cores)."""
+    out: list[tuple[int, float, float]] = []  # (status, latency, when it ended)
+    with socket.create_connection(("127.0.0.1", port)) as sock, sock.makefile("rb") as stream:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        i = 0
+        while (start := time.perf_counter()) < deadline:
+            sock.sendall(requests[i % len(requests)])
+            status, _ = _read_response_blocking(stream)
+            end = time.perf_counter()
+            out.append((status, end - start, end))
+            i += 1
+    return out
 
 
 def load(port: int, requests: list[bytes], concurrency: int, seconds: float, warmup_s: float = 0.0) -> LoadResult:
     """`concurrency` connections, each sending the next request as soon as the last is answered (closed loop), for
     `warmup_s` (not counted) then `seconds`. The rate is what ended within those `seconds` over them (a request in
-    flight at either edge is not counted as if it had taken the whole window)."""
-    return asyncio.run(_run(port, requests, concurrency, seconds, warmup_s))
+    flight at either edge is not counted as if it had taken the whole window). One connection runs on a blocking
+    socket, several on asyncio."""
+    start = time.perf_counter() + warmup_s  # what ends before is not counted: the connections and first batches
+    deadline = start + seconds
+    if concurrency == 1:
+        out = _one_connection(port, requests, deadline)
+    else:
+        out = asyncio.run(_run(port, requests, concurrency, deadline))
+    kept = [o for o in out if start <= o[2] <= deadline]  # what was still in flight at the deadline ended after it
+    ok = np.array([t for s, t, _ in kept if s == 200])
+    return LoadResult(len(ok), sum(1 for s, _, _ in kept if s != 200), seconds, ok)
