@@ -205,9 +205,9 @@ def start_local(config: AppConfig, opts: LocalServe) -> None:
 #   (log_to_driver); otherwise it globs and reads the log folder ten times a second for no reader (~14 ms of CPU a
 #   second). The files themselves are written by the workers either way.
 # - the autoscaler's monitor scales a cluster's nodes: one machine has none to add (Serve scales replicas itself).
-# - the dashboard's head process, started even without --dashboard (usage statistics only); the metrics export is
-#   the dashboard agent's, which stays.
-IDLE_HELPERS = {"log monitor": "kill_log_monitor", "autoscaler monitor": "kill_monitor", "dashboard": "kill_dashboard"}
+# The dashboard's head process stays, even without --dashboard: the dashboard agent reports Ray's events (a worker
+# that died, say) to it, and logs an error for each batch it cannot report.
+IDLE_HELPERS = {"log monitor": "kill_log_monitor", "autoscaler monitor": "kill_monitor"}
 
 
 def stop_idle_helpers(opts: LocalServe) -> list[str]:
@@ -216,7 +216,6 @@ def stop_idle_helpers(opts: LocalServe) -> list[str]:
 
     node = ray._private.worker._global_node
     keep = {"log monitor"} if opts.access_log else set()
-    keep |= {"dashboard"} if opts.dashboard else set()
     stopped = []
     for label, method in IDLE_HELPERS.items():
         if label in keep or node is None or not hasattr(node, method):

@@ -89,7 +89,6 @@ def test_up_finds_which_default_models_are_missing(tiny_models_dir, tmp_path):
 def ray_helpers(pid: int) -> set[str]:
     """Which of Ray's helper processes (launcher.IDLE_HELPERS) run in the process tree below `pid`."""
     scripts = {"log_monitor.py": "log monitor", "autoscaler/_private/monitor.py": "autoscaler monitor"}
-    scripts["dashboard/dashboard.py"] = "dashboard"
     found = set()
     for child in descendants(pid):
         try:
