@@ -39,6 +39,14 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def command_line(pid: int) -> str:
+    """A process's command line, its arguments joined by spaces; "" once it has gone."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
 @contextlib.contextmanager
 def paused(pids: list[int]):
     """Every process in `pids` stopped (SIGSTOP) inside the block and continued after it: a server frozen while
@@ -121,10 +129,7 @@ class ServerProcess:
         deadline = time.monotonic() + 5
         while True:
             for pid in self.processes():
-                try:
-                    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-                except OSError:
-                    continue
+                cmdline = command_line(pid)
                 if "ServeReplica" in cmdline and cmdline.split(":")[-1].strip() == deployment:
                     return pid
             if time.monotonic() > deadline:

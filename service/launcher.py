@@ -210,19 +210,15 @@ def start_local(config: AppConfig, opts: LocalServe) -> None:
 IDLE_HELPERS = {"log monitor": "kill_log_monitor", "autoscaler monitor": "kill_monitor"}
 
 
-def stop_idle_helpers(opts: LocalServe) -> list[str]:
-    """Stop the helper processes of IDLE_HELPERS this server does not use; returns the ones stopped."""
+def stop_idle_helpers(opts: LocalServe) -> None:
+    """Stop the helper processes of IDLE_HELPERS this server does not use."""
     import ray._private.worker
 
     node = ray._private.worker._global_node
     keep = {"log monitor"} if opts.access_log else set()
-    stopped = []
     for label, method in IDLE_HELPERS.items():
-        if label in keep or node is None or not hasattr(node, method):
-            continue
-        getattr(node, method)(check_alive=False)
-        stopped.append(label)
-    return stopped
+        if label not in keep and node is not None and hasattr(node, method):
+            getattr(node, method)(check_alive=False)
 
 
 def report(args: argparse.Namespace) -> None:

@@ -9,14 +9,13 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 from serving import free_port
 
 from service import launcher, ports, up
-from service.bench_server import descendants
+from service.bench_server import command_line, descendants
 
 
 def test_missing_models_folder_is_one_line_and_exit_2(tmp_path, capsys):
@@ -89,14 +88,8 @@ def test_up_finds_which_default_models_are_missing(tiny_models_dir, tmp_path):
 def ray_helpers(pid: int) -> set[str]:
     """Which of Ray's helper processes (launcher.IDLE_HELPERS) run in the process tree below `pid`."""
     scripts = {"log_monitor.py": "log monitor", "autoscaler/_private/monitor.py": "autoscaler monitor"}
-    found = set()
-    for child in descendants(pid):
-        try:
-            cmdline = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        found |= {label for script, label in scripts.items() if script in cmdline}
-    return found
+    cmdlines = [command_line(child) for child in descendants(pid)]
+    return {label for script, label in scripts.items() if any(script in cmdline for cmdline in cmdlines)}
 
 
 @pytest.mark.serve
