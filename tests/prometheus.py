@@ -38,7 +38,7 @@ def require_prometheus() -> str:
 class PrometheusServer:
     """Starts `prometheus` with deploy/prometheus.yml, its scrape target replaced by `target`, on a free port."""
 
-    def __init__(self, target: str, scrape_interval: str = "1s") -> None:
+    def __init__(self, target: str, scrape_interval: str = "2s") -> None:
         self.binary = require_prometheus()
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -46,6 +46,7 @@ class PrometheusServer:
         config = yaml.safe_load(PROMETHEUS_YML.read_text())
         config["global"]["scrape_interval"] = scrape_interval
         config["global"]["evaluation_interval"] = scrape_interval
+        config["global"]["scrape_timeout"] = scrape_interval  # Prometheus's most: a scrape may take its whole interval
         config["scrape_configs"][0]["static_configs"][0]["targets"] = [target]
         rules = [PROMETHEUS_YML.parent / r for r in config.get("rule_files", [])]
         config["rule_files"] = [str(r) for r in rules if r.exists()]
@@ -108,4 +109,13 @@ class PrometheusServer:
             if predicate(result):
                 return result
             time.sleep(1.0)
-        raise AssertionError(f"timed out after {timeout_s} s waiting on {promql!r}; last result: {result}")
+        raise AssertionError(
+            f"timed out after {timeout_s} s waiting on {promql!r}; last result: {result}; targets: {self.targets()}"
+        )
+
+    def targets(self) -> list[dict]:
+        """Each scrape target's health, last error and last scrape's duration (why a series may be missing)."""
+        response = httpx.get(f"{self.url}/api/v1/targets", timeout=10)
+        response.raise_for_status()
+        keys = ("scrapeUrl", "health", "lastError", "lastScrapeDuration")
+        return [{k: t.get(k) for k in keys} for t in response.json()["data"]["activeTargets"]]

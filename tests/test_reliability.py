@@ -18,7 +18,6 @@ import sys
 import threading
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -421,23 +420,28 @@ def test_a_killed_model_replica_or_ingress_serves_again_within_10_s_and_no_reque
 
 
 def test_sigterm_under_load_turns_readiness_503_answers_every_request_and_exits_in_time(tiny_models_dir):
-    with ServerProcess(server_config(tiny_models_dir)) as server:
-        path = f"/v1/models/{SLOW}/predict"
-        with ThreadPoolExecutor(8) as pool:
-            inflight = [pool.submit(post, server.port, path, {"text": f"in flight {i}"}) for i in range(8)]
-            time.sleep(0.1)  # they wait in the 0.2 s batch window
-            stopper = threading.Thread(target=server.terminate, args=(30,))
-            stopper.start()
-            ready, waited = None, time.perf_counter()
-            while time.perf_counter() - waited < 5:
-                try:
-                    ready = httpx.get(f"http://127.0.0.1:{server.port}/v2/health/ready", timeout=2)
-                except httpx.HTTPError:
-                    break
-                if ready.status_code == 503:
-                    break
-            readiness_s = time.perf_counter() - waited
-            codes = [f.result()[0] for f in inflight]
+    """Eight requests wait in SLOW's batch window (1.5 s here, room for 16 rows) when SIGTERM comes: each was sent
+    whole 0.5 s before, so the server holds all eight, and each must still be answered."""
+    config = server_config(tiny_models_dir)
+    config["overrides"][SLOW] |= {"batch_wait_timeout_s": 1.5, "max_batch_size": 16, "max_queued_requests": 16}
+    with ServerProcess(config) as server:
+        body = json.dumps({"text": "in flight"}).encode()
+        inflight = [socket.create_connection(("127.0.0.1", server.port), timeout=30) for _ in range(8)]
+        for sock in inflight:
+            sock.sendall(post_bytes(f"/v1/models/{SLOW}/predict", body))
+        time.sleep(0.5)  # read by the server, waiting in the window
+        stopper = threading.Thread(target=server.terminate, args=(30,))
+        stopper.start()
+        ready, waited = None, time.perf_counter()
+        while time.perf_counter() - waited < 5:
+            try:
+                ready = httpx.get(f"http://127.0.0.1:{server.port}/v2/health/ready", timeout=2)
+            except httpx.HTTPError:
+                break
+            if ready.status_code == 503:
+                break
+        readiness_s = time.perf_counter() - waited
+        codes = [_status_of_answer(sock) for sock in inflight]
         stopper.join()
         log = server.log()
     print(
@@ -448,6 +452,16 @@ def test_sigterm_under_load_turns_readiness_503_answers_every_request_and_exits_
     assert codes == [200] * 8, codes
     assert server.returncode == 0 and server.stop_s < 10, log[-2000:]
     assert "failed to shut down" not in log and "drained in" in log
+
+
+def _status_of_answer(sock: socket.socket) -> int | str:
+    """The status code of the one answer on `sock` (the socket is closed); the error's name if none came."""
+    with sock, sock.makefile("rb") as answer:
+        try:
+            line = answer.readline()
+        except OSError as exc:
+            return type(exc).__name__
+    return int(line.split()[1]) if line.startswith(b"HTTP/1.1 ") else repr(line[:40])
 
 
 def test_sigterm_to_the_whole_process_group_exits_in_time_and_leaves_no_ray_process(tiny_models_dir):
