@@ -38,10 +38,11 @@ def _gpu_available() -> bool:
     return "CUDAExecutionProvider" in onnxruntime.get_available_providers() and Path("/dev/nvidia0").exists()
 
 
-# Files whose tests read the session Ray's metrics export through a real Prometheus: they run right after the
-# cluster test, while the export is small. Ray's agent keeps the series of every replica the session ever ran (in a
-# full run, ~10,000 series, ~5 MB by its end), and a scrape late in the session took 1-9 s on 2 busy cores.
-METRICS_EXPORT_FILES = {"test_metrics.py", "test_pruned_serving.py"}
+# Files whose tests read the session Ray's metrics export (through a real Prometheus, or the load tester's own
+# scrape): they run right after the cluster test, while the export is small. Ray's agent keeps the series of every
+# replica the session ever ran (~10,000 series, ~5 MB by the end of a full run), and a scrape late in the session
+# took 1-9 s on 2 busy cores.
+METRICS_EXPORT_FILES = {"test_metrics.py", "test_pruned_serving.py", "test_loadtest_service.py"}
 
 
 def _run_order(item) -> int:
