@@ -154,12 +154,13 @@ class LocalCluster:
         self.nodes.append(node)
         return node
 
-    def kill(self, node: Node, sig: int = signal.SIGKILL) -> None:
-        """Every process of this node (its tree and anything naming its temp dir), like a pod that disappears."""
+    def kill(self, node: Node, sig: int = signal.SIGKILL, grace_s: float = 20) -> None:
+        """Every process of this node (its tree and anything naming its temp dir), like a pod that disappears;
+        SIGKILL for what is left after `grace_s`."""
         pids = set(process_tree(node.proc.pid)) | set(pids_mentioning(str(node.temp_dir)))
         signal_all(sorted(pids), sig)
         try:
-            node.proc.wait(timeout=20)
+            node.proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
             signal_all(process_tree(node.proc.pid), signal.SIGKILL)
             node.proc.wait(timeout=10)
@@ -167,7 +168,7 @@ class LocalCluster:
     def stop(self) -> None:
         for node in reversed(self.nodes):
             if node.proc.poll() is None:
-                self.kill(node, signal.SIGTERM)
+                self.kill(node, signal.SIGTERM, grace_s=3)  # `ray start --block` took 20 s to give up on its GCS
         time.sleep(1)
         leftovers = {p for n in self.nodes for p in pids_mentioning(str(n.temp_dir))}
         signal_all(sorted(leftovers), signal.SIGKILL)
