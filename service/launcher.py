@@ -40,6 +40,11 @@ LOCAL_RAY_ENV = {
     "RAY_worker_niceness": "0",
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
+    # No Ray started behind the launcher's back: the drain's handle leaves a Serve long-poll client whose late update,
+    # arriving while ray.shutdown() tears the driver down, called ray.init() from Ray's own callback thread; shutdown
+    # waited on that thread and the server hung until SIGKILL (1 in 5 SIGTERMs under load, py-spy). Without auto-init
+    # that call fails at once, and shutdown goes on.
+    "RAY_ENABLE_AUTO_CONNECT": "0",
 }
 
 
