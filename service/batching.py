@@ -29,6 +29,8 @@ BatchHook = Callable[[int, int, float, list[float]], None]  # rows, padded token
 
 def effective_length(mask: np.ndarray) -> int:
     """Columns up to the last one where any row has a real token (trailing all-padding columns are dropped)."""
+    if mask[:, -1].any():  # the usual case, no padding at the end: one small reduction
+        return mask.shape[1]
     used = np.flatnonzero(mask.any(axis=0))  # (T,) -> indices of columns with a token
     return int(used[-1]) + 1 if used.size else 1
 
@@ -126,14 +128,20 @@ class DynamicBatcher:
         step = self._policy.max_batch_size
         starts = range(0, ids.shape[0], step)
         if len(starts) == 1:
-            if self._inline_fits(ids):
-                return self._run_inline(ids, mask)
-            return await self._enqueue([(ids, mask)])[0]
+            done = self.run_now(ids, mask)
+            return done if done is not None else await self._enqueue([(ids, mask)])[0]
         futures = self._enqueue([(ids[i : i + step], mask[i : i + step]) for i in starts])
         parts = await asyncio.gather(*futures)
         logits = np.concatenate([p.logits for p in parts])  # (n, C)
         slowest = max(p.queue_s for p in parts)
         return BatchResult(logits, max(p.batch_rows for p in parts), slowest, sum(p.run_s for p in parts))
+
+    def run_now(self, ids: np.ndarray, mask: np.ndarray) -> BatchResult | None:
+        """This (n, T) request's result from a run inline, on the calling event loop's thread, when it can run inline
+        now (one batch's rows, the model idle, the process quiet, its run expected short); None otherwise."""
+        if ids.shape[0] > self._policy.max_batch_size or not self._inline_fits(ids):
+            return None
+        return self._run_inline(ids, mask)
 
     def _inline_fits(self, ids: np.ndarray) -> bool:
         """Whether this (n, T) request runs inline: the model idle, the process quiet, its run expected short."""

@@ -142,6 +142,10 @@ class ModelEngine:
             raise NotReadyError(f"model {self.name!r} is not ready: {self._error}")
         return await self._batcher.infer(ids, mask)
 
+    def infer_now(self, ids: np.ndarray, mask: np.ndarray) -> BatchResult | None:
+        """`infer`'s result when the request can run inline right now (DynamicBatcher.run_now), else None."""
+        return self._batcher.run_now(ids, mask) if self._batcher is not None else None
+
     async def attention(self, ids: np.ndarray) -> AttentionResult:
         """(1, T) ids of one text -> per-layer, per-head weights from model.attn.onnx; not on the `infer` path."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, self._attention.run, ids)

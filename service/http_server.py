@@ -2,7 +2,8 @@
 while they arrive (431, or 413 for `Expect: 100-continue`), one send per response, a listening socket a restarted
 replica can bind again at once; in Serve's proxy a refusal of every request when the ingress listens itself (direct
 ingress); in that ingress replica, a request cancelled when its client goes away and, with `mha-serving serve`, the
-inference routes sent straight to the application. No torch.
+inference routes sent straight to the application, or answered at once, from the connection's own callbacks, when
+their body is in and the application can (a lone request on a co-located model). No torch.
 """
 
 from __future__ import annotations
@@ -10,16 +11,22 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+from collections.abc import Callable
 
 import uvicorn.config
 from starlette.middleware import Middleware
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from starlette.responses import Response
+from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 
 from service.asgi import HEAD_CHECKED, match_inference, too_large
 from service.config import RequestLimits
 from service.errors import HeadersTooLargeError, NotServedHereError, ServiceError
 from service.responses import error_response, raw_error_response
 
+# An inference request whose head is in waits this long for the rest of its body before its ASGI task starts: a
+# client that sends head and body apart (httpx, tritonclient) is still answered at once (_answer_now).
+HOLD_S = 0.05
 LINGER_S = 2.0  # after a refusal, the rest of the request is read and dropped this long, so the client sees the answer
 PROTOCOL = "service.http_server:LimitedHttpProtocol"
 PROXY_CALLBACK = {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "service.http_server:proxy_callback"}
@@ -49,6 +56,11 @@ class CoalescedWrites:
             self._loop.call_soon(self.flush)
         self._pending.append(data)
 
+    def write_now(self, data: bytes) -> None:
+        """`data` sent at once (with anything pending before it): a whole response, nothing to wait for."""
+        self._pending.append(data)
+        self.flush()
+
     def flush(self) -> None:
         if not self._pending:
             return
@@ -77,6 +89,9 @@ class LimitedHttpProtocol(HttpToolsProtocol):
     limits = RequestLimits()
     watch_disconnects = False  # in the ingress replica (direct ingress): cancel a request whose client went away
     fast_app = None  # with watch_disconnects: the ASGI app the inference routes go to directly; None: all via Serve
+    # With fast_app: (method, path, headers, body) -> the response of an inference request answered at once, or None
+    # when it cannot be (Ingress.answer_now); None: every request goes through the ASGI app.
+    direct: Callable[[str, str, list[tuple[bytes, bytes]], bytes], Response | None] | None = None
     in_progress = 0  # requests of this process's connections whose head is in and whose response is not complete
     counts_arrivals = False  # set by `install`: this process is a direct-ingress replica, its server sees every request
 
@@ -88,6 +103,9 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._refusal: ServiceError | None = None
         self._task: asyncio.Task | None = None  # the task running this connection's current request
         self._counted = 0  # this connection's requests counted in `in_progress` (more when pipelined)
+        self._completing_head = False  # inside uvicorn's on_headers_complete, which starts the request's task
+        self._held: tuple[RequestResponseCycle, object] | None = None  # a request whose task waits for its body
+        self._hold_timer: asyncio.TimerHandle | None = None  # when a held request's body is left to the ASGI path
         if self.watch_disconnects:
             self.app = self._in_task(self.app)
 
@@ -122,6 +140,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         """The client went away: a request still unanswered is cancelled (its batch slot freed, counted as 499)."""
+        self._unhold()  # a request held for its body never started: nothing to cancel
         self._uncount(self._counted)
         cycle, task = self.cycle, self._task
         super().connection_lost(exc)
@@ -132,6 +151,8 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         if self._refusal is not None:
             return  # the rest of a refused request: dropped
         super().data_received(data)  # an error raised by a callback below ends up in send_400_response
+        if self._held is not None and self._hold_timer is None:  # its body is still arriving (a second send, say)
+            self._hold_timer = self.loop.call_later(HOLD_S, self._release)
         if self._in_head and self._refusal is None:
             self._arrived += len(data)
             if self._arrived > self.limits.max_header_bytes:
@@ -139,6 +160,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
                 self._refuse()
 
     def on_message_begin(self) -> None:
+        self._unset_keepalive_if_required()  # a request answered at once re-armed it while its successor arrived
         super().on_message_begin()
         self._in_head, self._head_bytes, self._arrived = True, 0, 0
 
@@ -167,7 +189,69 @@ class LimitedHttpProtocol(HttpToolsProtocol):
             self.headers.append(NO_SERVE_DISCONNECT_WATCH)  # the scope's header list
         self._counted += 1
         LimitedHttpProtocol.in_progress += 1
-        super().on_headers_complete()
+        self._completing_head = True
+        try:
+            super().on_headers_complete()
+        finally:
+            self._completing_head = False
+
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app) -> None:
+        """uvicorn starts a request's task once its head is in. An inference request's is held instead, while the
+        data received so far is parsed: when its whole body is there, it may be answered at once (`_answer_now`)."""
+        if (
+            self._completing_head
+            and self.direct is not None
+            and not cycle.waiting_for_100_continue  # its client waits for the task's `100 Continue`
+            and match_inference(*_route(cycle)) is not None
+        ):
+            self._held = (cycle, app)
+        else:
+            super()._start_asgi_task(cycle, app)
+
+    def on_body(self, body: bytes) -> None:
+        super().on_body(body)
+        if self._held is not None and len(self._held[0].body) > HIGH_WATER_LIMIT:
+            self._release()  # a large body: read by the ASGI path as it comes, within the body limit
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        held = self._unhold()
+        if held is not None and not self._answer_now(held[0]):
+            super()._start_asgi_task(*held)
+
+    def _unhold(self) -> tuple[RequestResponseCycle, object] | None:
+        held, self._held = self._held, None
+        if self._hold_timer is not None:
+            self._hold_timer.cancel()
+            self._hold_timer = None
+        return held
+
+    def _release(self) -> None:
+        """The held request's task starts: its body is left to the ASGI path, which reads it with its limits."""
+        held = self._unhold()
+        if held is not None and not self.transport.is_closing():
+            super()._start_asgi_task(*held)
+
+    def _answer_now(self, cycle: RequestResponseCycle) -> bool:
+        """Answer a held request whose body is complete without a task or the ASGI app, if the application can
+        (`direct`); as uvicorn would have: its default headers, `connection: close` unless kept alive, then the
+        connection's bookkeeping of a completed response. False: it takes the ASGI path."""
+        if len(cycle.body) > self.limits.max_body_bytes:
+            return False  # the ASGI path answers 413
+        response = self.direct(*_route(cycle), cycle.scope["headers"], bytes(cycle.body))
+        if response is None:
+            return False
+        head = [STATUS_LINE[response.status_code]]
+        for name, value in (*cycle.default_headers, *response.raw_headers):
+            head += (name, b": ", value, b"\r\n")
+        head.append(b"\r\n" if cycle.keep_alive else b"connection: close\r\n\r\n")
+        self.transport.write_now(b"".join(head) + response.body)
+        cycle.response_started = cycle.response_complete = True
+        cycle.message_event.set()
+        if not cycle.keep_alive:
+            self.transport.close()
+        self.on_response_complete()
+        return True
 
     def _head_too_large(self) -> HeadersTooLargeError:
         return HeadersTooLargeError(f"request headers are over the limit of {self.limits.max_header_bytes} bytes")
@@ -190,6 +274,10 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self.loop.call_later(LINGER_S, self.transport.close)
 
 
+def _route(cycle: RequestResponseCycle) -> tuple[str, str]:
+    return cycle.scope["method"], cycle.scope["path"]
+
+
 class _ReusableAddressSockets:
     """The `socket` module as Ray's http_util sees it, except that its sockets reuse their address."""
 
@@ -203,18 +291,20 @@ class _ReusableAddressSockets:
         return sock
 
 
-def install(limits: RequestLimits, watch_disconnects: bool = False, fast_app=None) -> None:
+def install(limits: RequestLimits, watch_disconnects: bool = False, fast_app=None, direct=None) -> None:
     """From now on, HTTP servers that Serve starts in this process use LimitedHttpProtocol with `limits`, on a
     listening socket with SO_REUSEADDR: Ray 2.60 binds without it, so after a crash the connections' TIME_WAIT
     keep a restarted replica off its port (Serve then blocks that port for good). `watch_disconnects`: the protocol,
     not Serve, cancels a request whose client went away (the ingress replica's own server: two tasks per request
     fewer; py-spy, small model at c=32: Serve's wrapper went from 11 % to 7 % of the ingress's CPU). `fast_app`
-    (with watch_disconnects): the application the inference routes go to directly (LimitedHttpProtocol._in_task)."""
+    (with watch_disconnects): the application the inference routes go to directly (LimitedHttpProtocol._in_task);
+    `direct` (with fast_app): what answers an inference request at once when it can (LimitedHttpProtocol.direct)."""
     from ray.serve._private import http_util
 
     LimitedHttpProtocol.limits = limits
     LimitedHttpProtocol.watch_disconnects = watch_disconnects
     LimitedHttpProtocol.fast_app = fast_app if watch_disconnects else None
+    LimitedHttpProtocol.direct = direct if LimitedHttpProtocol.fast_app is not None else None
     LimitedHttpProtocol.counts_arrivals = watch_disconnects and os.environ.get(DIRECT_INGRESS) == "1"
     uvicorn.config.HTTP_PROTOCOLS["auto"] = PROTOCOL  # what uvicorn.Config(http="auto"), Serve's choice, loads
     http_util.socket = _ReusableAddressSockets()

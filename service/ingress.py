@@ -1,7 +1,9 @@
 """The HTTP ingress: one FastAPI app with every route (v2 protocol, simple JSON, model list, attention).
 
 It validates and tokenizes requests against each model's metadata, then runs the model where it is placed: its
-engine in this replica (co-located) or its own deployment. No torch.
+engine in this replica (co-located) or its own deployment. An inference request goes through the ASGI app, or, alone
+in the replica with its body in and its model able to run it inline, is answered at once from the HTTP server's
+callback (`Ingress.answer_now`); both parse and answer it with the same code. No torch.
 """
 
 import asyncio
@@ -10,6 +12,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -23,7 +26,8 @@ from starlette.exceptions import HTTPException
 
 from export.metadata import ModelMetadata
 from service import attention_api, http_server, openapi
-from service.asgi import FrontDoor, read_body
+from service.asgi import FrontDoor, match_inference, read_body
+from service.batching import BatchResult
 from service.coalescer import Coalescer
 from service.config import AppConfig
 from service.engine import EngineSettings, ModelEngine, ModelStatus
@@ -38,9 +42,11 @@ from service.metrics import GAUGE_REFRESH_S, UNKNOWN_MODEL, IngressMetrics, mode
 from service.placement import Colocated, ModelPlacement, Remote
 from service.protocol import simple, v2
 from service.responses import error_response, json_response
+from service.validation import Rows
 
 logger = logging.getLogger(__name__)
-BINARY_HEADER = "inference-header-content-length"
+BINARY_HEADER = "inference-header-content-length"  # tritonclient's binary tensor data
+BINARY_HEADER_KEY = BINARY_HEADER.encode()  # as the HTTP server lists it
 CLIENT_CLOSED = 499  # nginx's code for a request whose client closed the connection first (metrics only)
 BodyT = TypeVar("BodyT", bound=BaseModel)
 REQUEST_BODIES = [v2.InferRequest, simple.PredictRequest, attention_api.AttentionRequest]
@@ -128,6 +134,41 @@ def _shorten(name: str, limit: int = 80) -> str:
     return name if len(name) <= limit else name[:limit] + "..."
 
 
+def _ready(name: str, status: ModelStatus) -> ModelStatus:
+    """The status of a ready model; NotReadyError saying why otherwise."""
+    if not status.ready:
+        raise NotReadyError(f"model {name!r} is not ready: {status.reason}")
+    return status
+
+
+def _parsed(raw: bytes, binary: str | None, model: type[BodyT]) -> BodyT:
+    """A JSON request body as `model`; `binary`: its binary-data header, which this server refuses."""
+    if binary is not None and binary.strip() != str(len(raw)):
+        raise BadRequestError("binary tensor data is not supported; send JSON tensor data (binary_data=False)")
+    return parse_body(raw, model)
+
+
+def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:
+    """A request header's value from the HTTP server's (lower-case name, value) list; None if absent."""
+    for key, value in headers:
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+@dataclass(frozen=True)
+class _Call:
+    """An inference request parsed and checked, before its run: where it runs, its rows and how it is answered."""
+
+    model: ModelPlacement
+    rows: Rows
+    answer: Callable[[BatchResult], Response]
+
+
+CallMaker = Callable[[str, bytes, str | None, ModelStatus, float], _Call]  # name, body, binary header, status, start
+ENDPOINTS = {"infer": "v2_infer", "infer_version": "v2_infer", "predict": "v1_predict"}  # route -> metrics label
+
+
 @serve.deployment
 @serve.ingress(app)
 class Ingress:
@@ -155,7 +196,8 @@ class Ingress:
         self._gauge_refresher: asyncio.Task | None = None  # started on the replica's event loop by the first request
         limits = config.limits
         fast_app = app if os.environ.get(http_server.FAST_PATH) == "1" else None  # see service/http_server.py
-        http_server.install(limits, watch_disconnects=True, fast_app=fast_app)  # this replica's own server, if any
+        # this replica's own server, if any
+        http_server.install(limits, watch_disconnects=True, fast_app=fast_app, direct=self.answer_now)
         app.state.limits = limits
         app.state.model_names = list(self._models)  # the OpenAPI document's model names
         app.state.ingress = self  # FrontDoor sends the inference routes straight to this replica's handlers
@@ -229,28 +271,25 @@ class Ingress:
             elapsed = time.perf_counter() - start  # recorded once the answer is out (this task's send is next)
             asyncio.get_running_loop().call_soon(self._metrics.finished, labels, endpoint, code, elapsed, rejected)
 
-    def _alone_in_progress(self) -> bool:
+    def _alone_in_progress(self, handled: int = 1) -> bool:
         """Whether the inference request asking is the only request in progress in this replica, counting those
         whose bytes were read and whose handler has not started yet (a co-located model may then run it on the
-        event loop: service/batching.py). Only when this replica serves HTTP itself (direct ingress): through
+        event loop: service/batching.py); `handled`: whether the asking request is counted in `_in_flight` (its
+        handler runs under `_measured`). Only when this replica serves HTTP itself (direct ingress): through
         Serve's proxy, requests queued for the event loop are not seen, and nothing runs inline."""
         arrived = http_server.requests_in_progress()
-        return arrived is not None and arrived <= 1 and self._in_flight <= 1
+        return arrived is not None and arrived <= 1 and self._in_flight <= handled
 
     async def _ready_model(self, name: str, status: ModelStatus | None = None) -> ModelStatus:
         """The status of a ready model (asked for unless given); NotReadyError saying why otherwise."""
-        status = status or await self._status(name)
-        if not status.ready:
-            raise NotReadyError(f"model {name!r} is not ready: {status.reason}")
-        return status
+        return _ready(name, status or await self._status(name))
 
     async def _body(self, request: Request, model: type[BodyT]) -> BodyT:
+        return _parsed(await self._raw_body(request), request.headers.get(BINARY_HEADER), model)
+
+    async def _raw_body(self, request: Request) -> bytes:
         limits = self._config.limits
-        raw = await read_body(request, limits.max_body_bytes, limits.body_timeout_s)
-        header = request.headers.get(BINARY_HEADER)
-        if header is not None and header.strip() != str(len(raw)):
-            raise BadRequestError("binary tensor data is not supported; send JSON tensor data (binary_data=False)")
-        return parse_body(raw, model)
+        return await read_body(request, limits.max_body_bytes, limits.body_timeout_s)
 
     @staticmethod
     def _check_version(name: str, version: str | None) -> None:
@@ -263,24 +302,11 @@ class Ingress:
     # order, ~1.5 us each (py-spy); no two routes overlap, so the order changes no answer ----
     @app.post("/v2/models/{name}/infer", **INFER_DOCS)
     async def infer(self, name: str, request: Request) -> Response:
-        return await self._infer(name, request, None)
+        return await self._awaited("infer", {"name": name}, request)
 
     @app.post("/v2/models/{name}/versions/{version}/infer", **INFER_DOCS)
     async def infer_version(self, name: str, version: str, request: Request) -> Response:
-        return await self._infer(name, request, version)
-
-    async def _infer(self, name: str, request: Request, version: str | None) -> Response:
-        async def work(status: ModelStatus | None) -> Response:
-            self._check_version(name, version)
-            model = self._model(name)  # 404 before looking at the body
-            body = await self._body(request, v2.InferRequest)
-            meta: ModelMetadata = (await self._ready_model(name, status)).metadata
-            v2.requested_outputs(body)
-            rows = v2.decode(body, meta, self._config.limits.max_rows)
-            result = await model.infer(rows.ids, rows.mask)
-            return json_response(v2.infer_response(name, body, result.logits))
-
-        return await self._measured("v2_infer", name, work)
+        return await self._awaited("infer_version", {"name": name, "version": version}, request)
 
     @app.post(
         "/v1/models/{name}/predict",
@@ -288,13 +314,25 @@ class Ingress:
         responses=openapi.responses(simple.PredictResponse, 404, 503, *openapi.WITH_BODY),
     )
     async def predict(self, name: str, request: Request) -> Response:
-        async def work(status: ModelStatus | None) -> Response:
-            start = time.perf_counter()
-            model = self._model(name)  # 404 before looking at the body
-            body = await self._body(request, simple.PredictRequest)
-            status = await self._ready_model(name, status)
-            rows = simple.decode(body, status.metadata, self._config.limits.max_rows)
-            result = await model.infer(rows.ids, rows.mask)
+        return await self._awaited("predict", {"name": name}, request)
+
+    # An inference request is parsed and checked by one function per route (below), then either awaited (the
+    # ASGI path: body read as it arrives, the run batched) or answered at once (`answer_now`).
+    def _v2_call(self, name: str, raw: bytes, binary: str | None, status: ModelStatus, start: float) -> _Call:
+        model = self._model(name)
+        body = _parsed(raw, binary, v2.InferRequest)
+        meta: ModelMetadata = _ready(name, status).metadata
+        v2.requested_outputs(body)
+        rows = v2.decode(body, meta, self._config.limits.max_rows)
+        return _Call(model, rows, lambda result: json_response(v2.infer_response(name, body, result.logits)))
+
+    def _predict_call(self, name: str, raw: bytes, binary: str | None, status: ModelStatus, start: float) -> _Call:
+        model = self._model(name)
+        body = _parsed(raw, binary, simple.PredictRequest)
+        status = _ready(name, status)
+        rows = simple.decode(body, status.metadata, self._config.limits.max_rows)
+
+        def answer(result: BatchResult) -> Response:
             timing = {
                 "total_ms": (time.perf_counter() - start) * 1e3,
                 "queue_ms": result.queue_s * 1e3,
@@ -303,7 +341,57 @@ class Ingress:
             }
             return json_response(simple.predict_response(body, status.metadata, status.backend, result.logits, timing))
 
-        return await self._measured("v1_predict", name, work)
+        return _Call(model, rows, answer)
+
+    def _call_for(self, route: str, params: dict[str, str]) -> CallMaker:
+        """The call maker of an inference route; 404 for a model version that is not served."""
+        if route == "predict":
+            return self._predict_call
+        self._check_version(params["name"], params.get("version"))
+        return self._v2_call
+
+    async def _awaited(self, route: str, params: dict[str, str], request: Request) -> Response:
+        """An inference request through the ASGI app: 404s before its body is read, then parse, batch, answer."""
+        name = params["name"]
+
+        async def work(status: ModelStatus | None) -> Response:
+            start = time.perf_counter()
+            make = self._call_for(route, params)
+            self._model(name)  # 404 before looking at the body; a known model has a status
+            raw = await self._raw_body(request)
+            call = make(name, raw, request.headers.get(BINARY_HEADER), status, start)
+            return call.answer(await call.model.infer(call.rows.ids, call.rows.mask))
+
+        return await self._measured(ENDPOINTS[route], name, work)
+
+    def answer_now(self, method: str, path: str, headers: list[tuple[bytes, bytes]], raw: bytes) -> Response | None:
+        """An inference request whose body has all arrived, answered at once on the event loop when nothing else is
+        in progress in this replica and its model is co-located, loaded and can run it inline (service/batching.py):
+        no task, no ASGI app, no await. None when it cannot: the request then takes the ASGI path, which does it
+        all again (a rare waste: only a request whose run turned out too long for an inline run). Called by this
+        replica's HTTP server (service/http_server.py); recorded in the metrics as the ASGI path records it."""
+        route = match_inference(method, path)
+        if route is None or not self._alone_in_progress(0):
+            return None
+        name = route[1]["name"]
+        status, labels = self._ready.get(name), self._labels.get(name)
+        if status is None or labels is None or self._models[name].placement != "colocated":
+            return None
+        start = time.perf_counter()
+        rejected = False
+        try:
+            call = self._call_for(*route)(name, raw, _header(headers, BINARY_HEADER_KEY), status, start)
+            result = call.model.infer_now(call.rows.ids, call.rows.mask)
+            if result is None:
+                return None
+            response = call.answer(result)
+        except Exception as exc:  # the ASGI path's mapping (FrontDoor), and its metrics (_measured)
+            response, rejected = error_response(exc), isinstance(exc, OverCapacityError)
+        self._metrics.started(labels)
+        elapsed = time.perf_counter() - start  # recorded once the answer is out, as `_measured` does
+        finished = (labels, ENDPOINTS[route[0]], response.status_code, elapsed, rejected)
+        asyncio.get_running_loop().call_soon(self._metrics.finished, *finished)
+        return response
 
     # ---- Open Inference Protocol v2 ----
     @app.get("/v2/health/live", responses=openapi.responses(v2.Live))

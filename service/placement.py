@@ -30,6 +30,10 @@ class ModelPlacement(Protocol):
 
     async def infer(self, ids: np.ndarray, mask: np.ndarray) -> BatchResult: ...
 
+    def infer_now(self, ids: np.ndarray, mask: np.ndarray) -> BatchResult | None:
+        """`infer`'s result without waiting, when the model can run the request at once on the caller's thread;
+        None when it would have to wait (the request then goes through `infer`)."""
+
     async def attention(self, ids: np.ndarray) -> AttentionResult: ...
 
 
@@ -47,6 +51,9 @@ class Colocated:
 
     async def infer(self, ids: np.ndarray, mask: np.ndarray) -> BatchResult:
         return await self._engine.infer(ids, mask)
+
+    def infer_now(self, ids: np.ndarray, mask: np.ndarray) -> BatchResult | None:
+        return self._engine.infer_now(ids, mask)
 
     async def attention(self, ids: np.ndarray) -> AttentionResult:
         return await self._engine.attention(ids)
@@ -73,6 +80,9 @@ class Remote:
         except TimeoutError:
             reason = f"no replica answered within {STATUS_TIMEOUT_S:g} s (starting, or failed at start: `serve status`)"
             return ModelStatus(self.name, False, reason)
+
+    def infer_now(self, ids: np.ndarray, mask: np.ndarray) -> BatchResult | None:
+        return None  # a Ray call is always awaited
 
     async def infer(self, ids: np.ndarray, mask: np.ndarray) -> BatchResult:
         if self._coalescer is not None:

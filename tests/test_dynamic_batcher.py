@@ -212,6 +212,23 @@ def test_a_short_lone_request_runs_on_the_event_loop_thread_once_its_cost_is_kno
         assert result.batch_rows == 1
 
 
+def test_run_now_answers_only_what_could_run_inline_and_leaves_the_rest_to_infer(pool):
+    model = ThreadRecorder(seconds=0.001)
+    b, batches = batcher(model, pool, quiet=lambda: True, inline_max_s=1.0, max_batch_size=2)
+
+    async def sequence():
+        unknown_cost = b.run_now(*rows(1, 4))  # no lone run yet: nothing known of its cost
+        await b.infer(*rows(1, 4))  # on a runner: the cost per token is learned
+        too_many_rows = b.run_now(*rows(3, 4))  # more rows than one batch: chunks, awaited
+        ids, mask = rows(1, 4, 7)
+        return unknown_cost, too_many_rows, b.run_now(ids, mask), expected(ids, mask), threading.get_ident()
+
+    unknown_cost, too_many_rows, now, logits, loop_thread = run(sequence())
+    assert unknown_cost is None and too_many_rows is None
+    np.testing.assert_array_equal(now.logits, logits)
+    assert model.threads[-1] == loop_thread and len(model.threads) == 2 and batches == [(1, 4, 1)] * 2
+
+
 def test_no_request_runs_inline_while_anything_else_is_in_progress_in_the_process(pool):
     model = ThreadRecorder()
     busy = [True]

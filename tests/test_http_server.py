@@ -7,8 +7,10 @@ from __future__ import annotations
 import asyncio
 
 import uvicorn
+from starlette.responses import Response
 
-from service.http_server import CoalescedWrites, LimitedHttpProtocol
+from service.config import RequestLimits
+from service.http_server import HOLD_S, CoalescedWrites, LimitedHttpProtocol
 from service.ports import free_port
 
 
@@ -64,6 +66,19 @@ def test_close_and_eof_send_what_is_pending_first_and_a_closed_transport_gets_no
 
     sent = asyncio.run(refuse())
     assert sent.sends == [b"HTTP/1.1 413 ", b"late"] and sent.closed
+
+
+def test_write_now_sends_what_is_pending_and_the_data_in_one_send_at_once():
+    async def respond() -> list[bytes]:
+        sent = RecordingTransport()
+        writes = CoalescedWrites(sent, asyncio.get_running_loop())
+        writes.write(b"a")
+        writes.write_now(b"b")
+        assert sent.sends == [b"ab"]
+        await asyncio.sleep(0)  # the turn's scheduled flush: nothing left
+        return sent.sends
+
+    assert asyncio.run(respond()) == [b"ab"]
 
 
 def test_a_flush_with_nothing_pending_sends_nothing():
@@ -128,3 +143,160 @@ def test_requests_in_progress_counts_each_request_from_its_head_to_its_answer_or
 
     before = LimitedHttpProtocol.in_progress
     assert asyncio.run(asyncio.wait_for(scenario(), 20)) == [before + n for n in (1, 1, 1, 1, 2, 0, 2, 1, 0)]
+
+
+class DirectAnswers:
+    """What a real server of LimitedHttpProtocol does with inference requests when `direct` is installed: each call
+    of `direct` and of the ASGI app, with the body each saw; `direct` answers unless `decline` is set."""
+
+    def __init__(self, decline: bool = False) -> None:
+        self.decline = decline
+        self.direct_calls: list[tuple[str, str, bytes]] = []
+        self.app_calls: list[tuple[str, bytes]] = []
+
+        async def app(scope, receive, send) -> None:  # a function: what uvicorn recognises as an ASGI 3 app
+            await self._app(scope, receive, send)
+
+        self.app = app
+
+    def direct(self, method: str, path: str, headers: list[tuple[bytes, bytes]], body: bytes) -> Response | None:
+        self.direct_calls.append((method, path, body))
+        return None if self.decline else Response(b'{"at":"once"}', 200, {"x-seen": str(len(body))}, "application/json")
+
+    async def _app(self, scope, receive, send) -> None:
+        body, more = b"", True
+        while more:
+            message = await receive()
+            body, more = body + message.get("body", b""), message.get("more_body", False)
+        self.app_calls.append((scope["path"], body))
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"10")]})
+        await send({"type": "http.response.body", "body": b'{"asgi":1}'})
+
+
+INFER = "/v2/models/m/infer"
+
+
+def _post(path: str, body: bytes, extra: bytes = b"") -> bytes:
+    return b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n%s\r\n" % (path.encode(), len(body), extra) + body
+
+
+async def _answer(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+    return head, await reader.readexactly(length)
+
+
+def _with_direct(answers: DirectAnswers, scenario) -> object:
+    """Run `scenario(reader, writer)` against a real server whose protocol answers through `answers.direct`."""
+    saved = LimitedHttpProtocol.direct
+
+    async def run():
+        LimitedHttpProtocol.direct = answers.direct
+        server, task, port = await _serving(answers.app)
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            try:
+                return await scenario(reader, writer)
+            finally:
+                writer.close()
+        finally:
+            server.should_exit = True
+            await task
+
+    try:
+        return asyncio.run(asyncio.wait_for(run(), 20))
+    finally:
+        LimitedHttpProtocol.direct = saved
+
+
+def test_an_inference_request_whose_body_is_in_is_answered_at_once_as_uvicorn_would_and_the_connection_goes_on():
+    answers = DirectAnswers()
+    before = LimitedHttpProtocol.in_progress
+
+    async def scenario(reader, writer):
+        got = []
+        for body in (b'{"inputs": 1}', b'{"inputs": 22}'):  # two in turn on one keep-alive connection
+            writer.write(_post(INFER, body))
+            got.append(await _answer(reader))
+        writer.write(_post("/v1/models/m/attention", b"{}"))  # not an inference route: the ASGI app
+        got.append(await _answer(reader))
+        return got, LimitedHttpProtocol.in_progress
+
+    (first, second, other), in_progress = _with_direct(answers, scenario)
+    assert [c[2] for c in answers.direct_calls] == [b'{"inputs": 1}', b'{"inputs": 22}']
+    assert answers.app_calls == [("/v1/models/m/attention", b"{}")]
+    assert first[0].startswith(b"HTTP/1.1 200 OK\r\n") and first[1] == second[1] == b'{"at":"once"}'
+    assert other[1] == b'{"asgi":1}'
+    heads = [dict(line.split(b": ", 1) for line in h.split(b"\r\n")[1:] if line) for h, _ in (first, other)]
+    assert heads[0][b"x-seen"] == b"13" and heads[0][b"content-type"] == b"application/json"
+    assert heads[0][b"server"] == heads[1][b"server"] and b"date" in heads[0]  # uvicorn's default headers, as its own
+    assert b"connection" not in heads[0] and in_progress == before
+
+
+def test_a_request_the_application_declines_or_whose_body_arrives_late_goes_through_the_asgi_app_whole():
+    declined = DirectAnswers(decline=True)
+
+    async def one(reader, writer):
+        writer.write(_post(INFER, b'{"a": 1}'))
+        return await _answer(reader)
+
+    assert _with_direct(declined, one)[1] == b'{"asgi":1}'
+    assert [c[2] for c in declined.direct_calls] == [b'{"a": 1}'] and declined.app_calls == [(INFER, b'{"a": 1}')]
+
+    split = DirectAnswers()
+
+    async def in_two_sends(reader, writer):
+        request = _post(INFER, b'{"inputs": [1, 2, 3]}')
+        writer.write(request[:-5])
+        await writer.drain()
+        await asyncio.sleep(HOLD_S * 2)  # the head and part of the body arrive alone, the rest after HOLD_S
+        writer.write(request[-5:])
+        return await _answer(reader)
+
+    assert _with_direct(split, in_two_sends)[1] == b'{"asgi":1}'
+    assert split.direct_calls == [] and split.app_calls == [(INFER, b'{"inputs": [1, 2, 3]}')]
+
+
+def test_a_body_sent_apart_from_its_head_soon_after_is_still_answered_at_once():
+    answers = DirectAnswers()
+
+    async def head_then_body(reader, writer):  # as httpx and tritonclient send: two writes
+        request = _post(INFER, b'{"inputs": [4]}')
+        writer.write(request[:-15])
+        await writer.drain()
+        await asyncio.sleep(HOLD_S / 10)
+        writer.write(request[-15:])
+        return await _answer(reader)
+
+    assert _with_direct(answers, head_then_body)[1] == b'{"at":"once"}'
+    assert [c[2] for c in answers.direct_calls] == [b'{"inputs": [4]}'] and answers.app_calls == []
+
+
+def test_pipelined_inference_requests_are_answered_in_order_and_connection_close_closes_after_the_answer():
+    answers = DirectAnswers()
+
+    async def scenario(reader, writer):
+        writer.write(_post(INFER, b"1") + _post(INFER, b"22") + _post(INFER, b"333", b"Connection: close\r\n"))
+        got = [await _answer(reader) for _ in range(3)]
+        return got, await reader.read()  # then the server closes: EOF
+
+    got, rest = _with_direct(answers, scenario)
+    assert [c[2] for c in answers.direct_calls] == [b"1", b"22", b"333"] and answers.app_calls == []
+    assert [h.split(b"x-seen: ")[1][:1] for h, _ in got] == [b"1", b"2", b"3"]
+    assert b"connection: close" in got[2][0] and b"connection: close" not in got[0][0] and rest == b""
+
+
+def test_a_body_over_the_limit_is_left_to_the_asgi_app_which_refuses_it():
+    answers = DirectAnswers()
+    saved = LimitedHttpProtocol.limits
+    LimitedHttpProtocol.limits = RequestLimits(max_body_bytes=1024)
+
+    async def scenario(reader, writer):
+        writer.write(_post(INFER, b'{"inputs": "%s"}' % (b"x" * 1100)))
+        return await _answer(reader)
+
+    try:
+        assert _with_direct(answers, scenario)[1] == b'{"asgi":1}'
+    finally:
+        LimitedHttpProtocol.limits = saved
+    assert answers.direct_calls == [] and len(answers.app_calls) == 1

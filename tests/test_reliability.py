@@ -56,6 +56,7 @@ def models_dir(tiny_models_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(models_dir):
+    os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")  # as the session's Ray (tests/serving.py)
     with ServerProcess(server_config(models_dir)) as running:
         yield running
 
@@ -327,6 +328,89 @@ def test_inference_routes_go_past_serves_request_wrapper_and_the_other_routes_th
     assert "x-request-id" not in predict.headers and "x-request-id" not in infer.headers
     assert all(r.status_code == 200 and "x-request-id" in r.headers for r in wrapped)
     assert predict.headers["content-type"] == wrapped[0].headers["content-type"] == "application/json"
+
+
+ANSWERED_ALIKE = [  # (path, body): answers, errors included, that must not depend on how a request was handled
+    (
+        "/v2/models/mha-h2-d32/infer",
+        {"inputs": [{"name": "input_ids", "datatype": "INT64", "shape": [1, 3], "data": [5, 6, 7]}]},
+    ),
+    (
+        "/v2/models/mha-h2-d32/versions/1/infer",
+        {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": ["a"]}]},
+    ),
+    ("/v2/models/mha-h2-d32/versions/9/infer", {"inputs": []}),
+    (
+        "/v2/models/mha-h2-d32/infer",
+        {"inputs": [{"name": "input_ids", "datatype": "INT64", "shape": [1, 1], "data": [10**6]}]},
+    ),
+    (
+        "/v2/models/mha-h2-d32/infer",
+        {
+            "inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": ["a"]}],
+            "outputs": [{"name": "probs"}],
+        },
+    ),
+    ("/v2/models/mha-h2-d32/infer", b'{"inputs": [,'),
+    ("/v2/models/nope/infer", {"inputs": []}),
+    (PREDICT, {"texts": ["a fine film", "a dull one"]}),
+    (PREDICT, {"input_ids": [[5, 6], [7]]}),
+    (PREDICT, {"text": "x" * 10_000}),
+]
+
+
+def _answers(port: int) -> list[tuple[int, str, dict]]:
+    """ANSWERED_ALIKE's answers, one request at a time: status, content type, JSON body (predict's timing left out)."""
+    out = []
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+        for path, body in ANSWERED_ALIKE:
+            r = client.post(path, content=body if isinstance(body, bytes) else json.dumps(body).encode())
+            answer = r.json()
+            answer.pop("timing", None)
+            out.append((r.status_code, r.headers["content-type"], answer))
+    return out
+
+
+def test_a_lone_request_answered_at_once_answers_as_the_asgi_path_does_errors_included(server):
+    """Alone in the ingress, an inference request whose body is in is answered from the HTTP server's callback
+    (service/http_server.py, Ingress.answer_now: no task, no ASGI app); with another request in progress (here a
+    body still arriving), the same requests take the ASGI path. Both answer every request alike."""
+    _answers(server.port)  # a lone run first: the model learns how long a lone run takes (inline runs need it)
+    lone = _answers(server.port)
+    with socket.create_connection(("127.0.0.1", server.port)) as slow:
+        slow.sendall(post_bytes(PREDICT, b'{"text": "still arriving"}')[:-5])  # in progress until 408 (2 s)
+        time.sleep(0.1)
+        beside = _answers(server.port)
+    assert lone == beside
+    assert [status for status, _, _ in lone] == [200, 200, 404, 400, 400, 400, 404, 200, 200, 400]
+    assert {content_type for _, content_type, _ in lone} == {"application/json"}
+
+
+def test_requests_answered_at_once_are_counted_like_the_others_through_a_real_prometheus(server):
+    """The ingress's request counter, scraped by a real Prometheus from the server's metrics export, counts the
+    lone requests answered from the HTTP server's callback, with their status codes."""
+    from prometheus import PrometheusServer
+
+    query = 'sum by (code) (ray_mha_requests_total{model="mha-h2-d32", endpoint="v2_infer"})'
+    good = {"inputs": [{"name": "input_ids", "datatype": "INT64", "shape": [1, 3], "data": [5, 6, 7]}]}
+    bad = {"inputs": [{"name": "input_ids", "datatype": "INT64", "shape": [1, 1], "data": [10**6]}]}
+    path = "/v2/models/mha-h2-d32/infer"
+
+    def counts(result: list[dict]) -> dict[str, float]:
+        return {r["metric"]["code"]: float(r["value"][1]) for r in result}
+
+    with PrometheusServer(f"127.0.0.1:{server.metrics_port}") as prom, httpx.Client(timeout=30) as client:
+        for body in (good, good, bad):  # the model learns its lone runs' cost; every series exists
+            client.post(f"http://127.0.0.1:{server.port}{path}", json=body)
+        before: dict[str, float] = {}
+        while (now := counts(prom.wait_for(query, lambda res: len(res) >= 2, 90))) != before:  # settled
+            before = now
+            time.sleep(5)
+        codes = [client.post(f"http://127.0.0.1:{server.port}{path}", json=b).status_code for b in [good] * 5 + [bad]]
+        grown = lambda res: counts(res).get("200", 0) >= before["200"] + 5 and counts(res)["400"] > before["400"]  # noqa: E731
+        after = counts(prom.wait_for(query, grown, 90))
+    assert codes == [200] * 5 + [400]
+    assert after["200"] == before["200"] + 5 and after["400"] == before["400"] + 1
 
 
 def test_everything_listens_on_loopback_and_serve_proxy_is_no_second_entry_point(server):
