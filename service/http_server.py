@@ -197,7 +197,12 @@ class LimitedHttpProtocol(HttpToolsProtocol):
 
     def _start_asgi_task(self, cycle: RequestResponseCycle, app) -> None:
         """uvicorn starts a request's task once its head is in. An inference request's is held instead, while the
-        data received so far is parsed: when its whole body is there, it may be answered at once (`_answer_now`)."""
+        data received so far is parsed: when its whole body is there, it may be answered at once (`_answer_now`),
+        but only after the loop turn that read it, as its task would have run: the event loop reads every
+        connection that is ready before it runs what their data started, so a request read in the same turn counts
+        as in progress (`in_progress`) when the application decides whether this one is alone. Answered in the
+        read's own callback, each of 32 clients' requests found itself alone and ran inline, one after another
+        (default model at c=32: 169 against 226 req/s)."""
         if (
             self._completing_head
             and self.direct is not None
@@ -216,8 +221,18 @@ class LimitedHttpProtocol(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         super().on_message_complete()
         held = self._unhold()
-        if held is not None and not self._answer_now(held[0]):
+        if held is None:
+            return
+        if LimitedHttpProtocol.in_progress > 1:  # not alone: the ASGI path, as at once as uvicorn would start it
             super()._start_asgi_task(*held)
+        else:  # once this loop turn's other connections are read: a request among them is in progress too
+            self.loop.call_soon(self._answer_or_start, *held)
+
+    def _answer_or_start(self, cycle: RequestResponseCycle, app) -> None:
+        if cycle.disconnected or self.transport.is_closing():
+            return  # its client left meanwhile (connection_lost counted it out)
+        if not self._answer_now(cycle):
+            super()._start_asgi_task(cycle, app)
 
     def _unhold(self) -> tuple[RequestResponseCycle, object] | None:
         held, self._held = self._held, None

@@ -153,6 +153,7 @@ class DirectAnswers:
         self.decline = decline
         self.direct_calls: list[tuple[str, str, bytes]] = []
         self.app_calls: list[tuple[str, bytes]] = []
+        self.in_progress_seen: list[int] = []  # LimitedHttpProtocol.in_progress at each call of `direct`
 
         async def app(scope, receive, send) -> None:  # a function: what uvicorn recognises as an ASGI 3 app
             await self._app(scope, receive, send)
@@ -161,6 +162,7 @@ class DirectAnswers:
 
     def direct(self, method: str, path: str, headers: list[tuple[bytes, bytes]], body: bytes) -> Response | None:
         self.direct_calls.append((method, path, body))
+        self.in_progress_seen.append(LimitedHttpProtocol.in_progress)
         return None if self.decline else Response(b'{"at":"once"}', 200, {"x-seen": str(len(body))}, "application/json")
 
     async def _app(self, scope, receive, send) -> None:
@@ -273,6 +275,8 @@ def test_a_body_sent_apart_from_its_head_soon_after_is_still_answered_at_once():
 
 
 def test_pipelined_inference_requests_are_answered_in_order_and_connection_close_closes_after_the_answer():
+    """Three requests in one send: the first is answered at once, the two queued behind it by the ASGI app (uvicorn
+    starts a pipelined request's task when the one before it is answered), in order; the last asked to close."""
     answers = DirectAnswers()
 
     async def scenario(reader, writer):
@@ -281,9 +285,29 @@ def test_pipelined_inference_requests_are_answered_in_order_and_connection_close
         return got, await reader.read()  # then the server closes: EOF
 
     got, rest = _with_direct(answers, scenario)
-    assert [c[2] for c in answers.direct_calls] == [b"1", b"22", b"333"] and answers.app_calls == []
-    assert [h.split(b"x-seen: ")[1][:1] for h, _ in got] == [b"1", b"2", b"3"]
+    assert [c[2] for c in answers.direct_calls] == [b"1"] and answers.app_calls == [(INFER, b"22"), (INFER, b"333")]
+    assert [body for _, body in got] == [b'{"at":"once"}', b'{"asgi":1}', b'{"asgi":1}']
     assert b"connection: close" in got[2][0] and b"connection: close" not in got[0][0] and rest == b""
+
+
+def test_requests_read_in_the_same_loop_turn_are_all_in_progress_when_the_application_is_asked_about_one():
+    """Two clients' requests that arrive together are read in one turn of the event loop: when `direct` is asked
+    about the first, the second counts as in progress (so the application does not run them one by one inline),
+    and the second, found not alone as it is read, goes straight to the ASGI app."""
+    answers = DirectAnswers(decline=True)
+    before = LimitedHttpProtocol.in_progress
+
+    async def scenario(reader, writer):
+        other_reader, other_writer = await asyncio.open_connection("127.0.0.1", writer.get_extra_info("peername")[1])
+        await asyncio.sleep(0.05)  # both connections accepted
+        writer.write(_post(INFER, b"1"))
+        other_writer.write(_post(INFER, b"2"))  # both sent before the server's loop runs again
+        got = [await _answer(reader), await _answer(other_reader)]
+        other_writer.close()
+        return got
+
+    assert [body for _, body in _with_direct(answers, scenario)] == [b'{"asgi":1}'] * 2
+    assert answers.in_progress_seen == [before + 2] and sorted(body for _, body in answers.app_calls) == [b"1", b"2"]
 
 
 def test_a_body_over_the_limit_is_left_to_the_asgi_app_which_refuses_it():
