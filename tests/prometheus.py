@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -14,14 +13,10 @@ import httpx
 import pytest
 import yaml
 
+from service.ports import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 PROMETHEUS_YML = ROOT / "deploy" / "prometheus.yml"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def require_prometheus() -> str:

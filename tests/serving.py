@@ -4,19 +4,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
+from service.ports import free_port
+
 TEST_DEPLOYMENT = {"num_cpus": 0.25, "max_batch_size": 16}  # 2 logical CPUs hold every test app's replicas
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)

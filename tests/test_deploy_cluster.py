@@ -12,7 +12,6 @@ import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,8 @@ import httpx
 import pytest
 import yaml
 
+from service.ports import free_port
+
 pytestmark = [pytest.mark.slow, pytest.mark.serve]
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,12 +33,6 @@ BIN = Path(sys.executable).parent
 STEP_TIMEOUT_S = 240.0  # each wait below (start, deploy, recover) is bounded by this
 GPU_MODEL, CPU_MODEL = "mha-h4-d32", "mha-h2-d32"  # the conftest's tiny models
 GPU_TEMPLATE, CPU_TEMPLATE = "mha-h8-d512", "mha-h1-d512"  # real head configurations whose settings they take
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(what: str, check: Callable[[], object], timeout_s: float = STEP_TIMEOUT_S, every_s: float = 1.0):

@@ -131,3 +131,11 @@ def test_serve_starts_answers_on_its_port_and_stops_cleanly_on_sigterm(tiny_mode
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", port))  # the port is free again
+
+
+def test_free_ports_come_from_below_the_ephemeral_range_and_are_never_handed_out_twice():
+    """A port chosen here and bound later by another process (Serve's proxy, a test cluster's Ray) is not one the
+    kernel hands out meanwhile to a socket bound to port 0 or an outgoing connection."""
+    ephemeral_low = ports.ephemeral_ports()[0]
+    chosen = [ports.free_port() for _ in range(20)]
+    assert len(set(chosen)) == 20 and all(ports.CHOSEN_PORTS[0] <= p < ephemeral_low for p in chosen)
