@@ -36,7 +36,7 @@ class RecordingTransport(asyncio.Transport):
         self.eof = True
 
 
-def test_a_head_and_body_written_in_one_loop_turn_leave_in_one_send():
+def test_a_head_and_body_written_in_one_loop_turn_leave_in_one_send_and_write_now_sends_at_once():
     async def respond() -> list[bytes]:
         sent = RecordingTransport()
         writes = CoalescedWrites(sent, asyncio.get_running_loop())
@@ -46,9 +46,13 @@ def test_a_head_and_body_written_in_one_loop_turn_leave_in_one_send():
         await asyncio.sleep(0)
         writes.write(b"next")  # a later turn: its own send
         await asyncio.sleep(0)
+        writes.write(b"a")
+        writes.write_now(b"b")  # a whole response answered at once: what is pending and it, in one send, now
+        assert sent.sends[-1] == b"ab"
+        await asyncio.sleep(0)  # the turn's scheduled flush: nothing left
         return sent.sends
 
-    assert asyncio.run(respond()) == [b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}", b"next"]
+    assert asyncio.run(respond()) == [b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}", b"next", b"ab"]
 
 
 def test_close_and_eof_send_what_is_pending_first_and_a_closed_transport_gets_nothing():
@@ -66,19 +70,6 @@ def test_close_and_eof_send_what_is_pending_first_and_a_closed_transport_gets_no
 
     sent = asyncio.run(refuse())
     assert sent.sends == [b"HTTP/1.1 413 ", b"late"] and sent.closed
-
-
-def test_write_now_sends_what_is_pending_and_the_data_in_one_send_at_once():
-    async def respond() -> list[bytes]:
-        sent = RecordingTransport()
-        writes = CoalescedWrites(sent, asyncio.get_running_loop())
-        writes.write(b"a")
-        writes.write_now(b"b")
-        assert sent.sends == [b"ab"]
-        await asyncio.sleep(0)  # the turn's scheduled flush: nothing left
-        return sent.sends
-
-    assert asyncio.run(respond()) == [b"ab"]
 
 
 def test_a_flush_with_nothing_pending_sends_nothing():
