@@ -160,7 +160,6 @@ class LimitedHttpProtocol(HttpToolsProtocol):
                 self._refuse()
 
     def on_message_begin(self) -> None:
-        self._unset_keepalive_if_required()  # a request answered at once re-armed it while its successor arrived
         super().on_message_begin()
         self._in_head, self._head_bytes, self._arrived = True, 0, 0
 
