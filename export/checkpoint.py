@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from export.metadata import CONFIG_FILE
+from contract.metadata import CONFIG_FILE
 from export.model import EncoderClassifier, EncoderConfig
 
 CHECKPOINT_FILE = "checkpoint.pt"

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from export.settings import ExportSettings, UsageError, load_config_file, merge
+from contract.settings import ExportSettings, UsageError, load_config_file, merge
 
 PROG = "mha-serving export"
 EPILOG = """\
@@ -181,8 +181,8 @@ class _Failed(RuntimeError):
 
 def _message(exc: Exception) -> str:
     """Our typed errors already say what failed, in their first line; anything else by its root cause."""
+    from contract.metadata import MetadataError
     from export.convert import ExportError, one_line
-    from export.metadata import MetadataError
     from export.parity import ParityError
     from export.user_model import FactoryError
 

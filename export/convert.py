@@ -18,8 +18,7 @@ import onnx
 import torch
 from torch import nn
 
-from export import fused_attention, parity
-from export.metadata import (
+from contract.metadata import (
     ATTENTION_MASK,
     ATTENTION_MODEL_FILE,
     ATTENTION_WEIGHTS,
@@ -29,6 +28,7 @@ from export.metadata import (
     MODEL_FILE,
     ModelMetadata,
 )
+from export import fused_attention, parity
 
 DEFAULT_ONNX_OPSET = 20
 EXTERNAL_DATA_THRESHOLD = 1 << 30  # 1 GiB: larger models keep weights in model.onnx.data (protobuf caps at 2 GiB)

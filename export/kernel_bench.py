@@ -21,9 +21,9 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
+from contract.metadata import ATTENTION_MASK, INPUT_IDS, MODEL_FILE
 from export import kernel_report
 from export.convert import export_model, exporter_versions
-from export.metadata import ATTENTION_MASK, INPUT_IDS, MODEL_FILE
 from export.model import EncoderClassifier, EncoderConfig
 from service.runtime import session_options
 

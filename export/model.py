@@ -7,14 +7,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from contract.metadata import ModelMetadata, config_name
+from contract.tokenizer import VOCAB_SIZE
 from export.attention import MultiHeadAttention, resolve_head_dim
-from export.metadata import ModelMetadata, config_name
-from export.tokenizer import VOCAB_SIZE
 
 
 @dataclass(frozen=True)
 class EncoderConfig:
-    vocab_size: int = VOCAB_SIZE  # 256 byte values + 4 special ids (export/tokenizer.py)
+    vocab_size: int = VOCAB_SIZE  # 256 byte values + 4 special ids (contract/tokenizer.py)
     d_model: int = 512
     heads: int = 8
     head_dim: int | None = None  # None: d_model // heads

@@ -9,8 +9,8 @@ import onnxruntime as ort
 import torch
 from torch import nn
 
-from export.metadata import ATTENTION_MASK, ATTENTION_WEIGHTS, INPUT_IDS, LOGITS, ModelMetadata
-from export.tokenizer import NUM_SPECIAL
+from contract.metadata import ATTENTION_MASK, ATTENTION_WEIGHTS, INPUT_IDS, LOGITS, ModelMetadata
+from contract.tokenizer import NUM_SPECIAL
 
 
 class ParityError(ValueError):

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
+from contract.metadata import CONFIG_FILE
 from export.convert import ExportError
-from export.metadata import CONFIG_FILE
 from export.parity import ParityError
 from export.sweep_report import Run, summarize, write_report
 from export.sweep_timing import ROUNDS, TimingError, in_process_caller, service_caller, time_models

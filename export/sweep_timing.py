@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from export.metadata import ATTENTION_MASK, INPUT_IDS, MODEL_FILE
-from export.tokenizer import ByteTokenizer
+from contract.metadata import ATTENTION_MASK, INPUT_IDS, MODEL_FILE
+from contract.tokenizer import ByteTokenizer
 
 BATCHES = (1, 32)
 ROUNDS = 5  # every model is timed once per round, round after round

@@ -31,11 +31,11 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from contract.metadata import MetadataError, ModelMetadata, config_name
+from contract.settings import UsageError
+from contract.tokenizer import VOCAB_SIZE
 from export.attention import MultiHeadAttention
-from export.metadata import MetadataError, ModelMetadata, config_name
 from export.model import EncoderConfig
-from export.settings import UsageError
-from export.tokenizer import VOCAB_SIZE
 
 
 class FactoryError(RuntimeError):

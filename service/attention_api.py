@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from export.attention_map import AttentionMapError, AttentionModel
-from export.metadata import ATTENTION_MODEL_FILE, ModelMetadata
-from export.tokenizer import ByteTokenizer
+from contract.attention_map import AttentionMapError, AttentionModel
+from contract.metadata import ATTENTION_MODEL_FILE, ModelMetadata
+from contract.tokenizer import ByteTokenizer
 from service.errors import BadRequestError, ModelNotFoundError, NotReadyError
 from service.model_store import without_paths
 from service.validation import texts_to_rows

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from export.tokenizer import PAD_ID
+from contract.tokenizer import PAD_ID
 from service.errors import ModelQueueFullError
 
 RunFn = Callable[[np.ndarray, np.ndarray, bool], np.ndarray]  # (N, T) ids, (N, T) mask, alone -> (N, C) logits

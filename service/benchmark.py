@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from export.metadata import MODEL_FILE, config_name
+from contract.metadata import MODEL_FILE, config_name
 from service.bench_client import LoadResult, load, post_bytes
 from service.bench_server import ServerProcess, cpu_seconds, paused
 from service.ports import free_port

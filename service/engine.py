@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from export.metadata import ModelMetadata
+from contract.metadata import ModelMetadata
 from service.attention_api import AttentionResult, AttentionVariant
 from service.batching import BatchPolicy, BatchResult, DynamicBatcher
 from service.config import DeploymentSettings

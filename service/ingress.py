@@ -24,7 +24,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 
-from export.metadata import ModelMetadata
+from contract.metadata import ModelMetadata
 from service import attention_api, http_server, openapi
 from service.asgi import FrontDoor, match_inference, read_body
 from service.batching import BatchResult

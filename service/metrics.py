@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ray.serve.metrics import Counter, Gauge, Histogram
 
-from export.metadata import ModelMetadata
+from contract.metadata import ModelMetadata
 
 MODEL_LABELS = ("model", "heads", "head_dim", "d_model", "backend")
 UNKNOWN_MODEL = "_unknown"  # label for requests naming no served model: keeps label cardinality bounded

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from export.metadata import ATTENTION_MASK, INPUT_IDS, LOGITS, MODEL_FILE, MetadataError, ModelMetadata
+from contract.metadata import ATTENTION_MASK, INPUT_IDS, LOGITS, MODEL_FILE, MetadataError, ModelMetadata
 from service.errors import ModelFileError
 
 INT64 = "tensor(int64)"

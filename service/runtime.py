@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from export.metadata import ATTENTION_MASK, INPUT_IDS, LOGITS, ModelMetadata
+from contract.metadata import ATTENTION_MASK, INPUT_IDS, LOGITS, ModelMetadata
 from service.errors import BackendError, ModelFileError
 from service.model_store import check_contract, model_file, without_paths
 

@@ -10,8 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from export.metadata import MODEL_FILE, config_name
-from export.settings import DEFAULT_HEADS
+from contract.metadata import MODEL_FILE, config_name
+from contract.settings import DEFAULT_HEADS
 from service import launcher
 
 D_MODEL, LAYERS = 512, 4  # the default set: d_model 512, h in DEFAULT_HEADS, 4 layers

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from export.metadata import ModelMetadata
-from export.tokenizer import ByteTokenizer, SequenceTooLongError
+from contract.metadata import ModelMetadata
+from contract.tokenizer import ByteTokenizer, SequenceTooLongError
 from service.errors import BadRequestError
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1

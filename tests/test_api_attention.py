@@ -7,7 +7,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from export.tokenizer import ByteTokenizer
+from contract.tokenizer import ByteTokenizer
 
 pytestmark = pytest.mark.serve
 WITH_VARIANT = "mha-h4-d32"  # the shared fixture exports this one with model.attn.onnx, mha-h2-d32 without

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from serving import bare_logits
 
-from export.tokenizer import ByteTokenizer
+from contract.tokenizer import ByteTokenizer
 
 pytestmark = pytest.mark.serve
 NAMES = ["mha-h2-d32", "mha-h4-d32"]

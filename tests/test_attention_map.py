@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 
+from contract.attention_map import AttentionMapError, AttentionModel
+from contract.metadata import ATTENTION_MASK, ATTENTION_WEIGHTS, INPUT_IDS
+from contract.tokenizer import ByteTokenizer
 from export import attention_map
-from export.attention_map import AttentionMapError, AttentionModel
 from export.convert import export_model, exporter_versions
-from export.metadata import ATTENTION_MASK, ATTENTION_WEIGHTS, INPUT_IDS
 from export.model import AttentionOutputs, EncoderClassifier, EncoderConfig
-from export.tokenizer import ByteTokenizer
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 TEXT = "a7b2c9d4:c"

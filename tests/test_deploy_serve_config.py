@@ -13,8 +13,8 @@ import yaml
 from pydantic import ValidationError
 from ray.serve.schema import ServeDeploySchema
 
-from export.metadata import config_name
-from export.settings import DEFAULT_HEADS
+from contract.metadata import config_name
+from contract.settings import DEFAULT_HEADS
 from service.config import AppConfig
 
 ROOT = Path(__file__).resolve().parents[1]

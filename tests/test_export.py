@@ -15,10 +15,10 @@ import torch
 from conftest import TINY
 from torch import nn
 
+from contract.metadata import ATTENTION_MODEL_FILE, CONFIG_FILE, MODEL_FILE, ModelMetadata
 from export import parity
 from export.convert import ExportError, export_model, exporter_versions
 from export.fused_attention import FUSED_KERNEL
-from export.metadata import ATTENTION_MODEL_FILE, CONFIG_FILE, MODEL_FILE, ModelMetadata
 from export.model import EncoderClassifier, EncoderConfig
 
 FIXTURE_SEEDS = {2: 2, 4: 4}  # heads -> seed used by the tiny_models_dir fixture (conftest.py)

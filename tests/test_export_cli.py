@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from contract.metadata import ATTENTION_MODEL_FILE, CONFIG_FILE, MODEL_FILE
 from export import cli
-from export.metadata import ATTENTION_MODEL_FILE, CONFIG_FILE, MODEL_FILE
 
 MHA_SERVING = Path(sys.executable).parent / "mha-serving"
 SMALL_FLAGS = ["--d-model", "16", "--layers", "1", "--ff-dim", "32", "--max-len", "12"]

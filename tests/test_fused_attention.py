@@ -13,10 +13,10 @@ import torch
 from conftest import TINY
 from torch import nn
 
+from contract.metadata import ATTENTION_MODEL_FILE, MODEL_FILE, ModelMetadata
 from export.attention import MultiHeadAttention
 from export.convert import export_model, exporter_versions
 from export.fused_attention import FUSED_KERNEL, UNFUSED_KERNEL, fused_attention, fused_layers, kernel_of
-from export.metadata import ATTENTION_MODEL_FILE, MODEL_FILE, ModelMetadata
 from export.model import EncoderClassifier, EncoderConfig
 
 ALL_HEADS = list(range(1, 17))

@@ -1,4 +1,4 @@
-"""`service`, `loadtest` and export's torch-free modules import on a machine without torch."""
+"""`contract`, `service` and `loadtest` import on a machine without torch."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TORCH_FREE_EXPORT_MODULES = ["export.metadata", "export.tokenizer", "export.settings"]
 
 # Runs in a fresh interpreter: a meta path finder makes `import torch` (and its submodules) fail, then every module
 # of the given packages is imported; prints {"modules": [...], "failed": {module: error}} as JSON.
@@ -49,18 +48,12 @@ def _probe(*targets: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("package", ["service", "loadtest"])
+@pytest.mark.parametrize("package", ["contract", "service", "loadtest"])
 def test_every_module_of_the_package_imports_without_torch(package):
     result = _probe(package)
     assert len(result["modules"]) > 1, f"pkgutil found no modules in {package}"
     assert result["failed"] == {}
     assert result["torch"] is False
-
-
-def test_metadata_tokenizer_and_settings_import_without_torch():
-    result = _probe(*TORCH_FREE_EXPORT_MODULES)
-    assert result["modules"] == TORCH_FREE_EXPORT_MODULES
-    assert result["failed"] == {}
 
 
 def test_the_probe_does_block_torch():

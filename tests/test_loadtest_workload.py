@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from export.tokenizer import ByteTokenizer
+from contract.tokenizer import ByteTokenizer
 from loadtest.workload import SeqLenSpec, WorkloadError, build_bodies, endpoint, make_texts
 
 

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from export.metadata import MetadataError, ModelMetadata, config_name
+from contract.metadata import MetadataError, ModelMetadata, config_name
 
 REQUIRED = ["name", "heads", "head_dim", "d_model", "layers", "vocab_size", "max_len", "num_classes", "labels"]
 

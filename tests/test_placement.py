@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from export.metadata import ModelMetadata
+from contract.metadata import ModelMetadata
 from service.batching import BatchPolicy
 from service.config import AppConfig
 from service.engine import LIGHT_MODEL_FLOPS, EngineSettings, flops_per_token

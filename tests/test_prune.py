@@ -14,11 +14,11 @@ import pytest
 import torch
 from pruning import DEAD_HEAD, train_tiny
 
+from contract.metadata import ATTENTION_MASK, CONFIG_FILE, INPUT_IDS, MODEL_FILE
 from export.checkpoint import CHECKPOINT_FILE, load_checkpoint
 from export.convert import export_model
 from export.fused_attention import FUSED_KERNEL
 from export.importance import gated, run_splits
-from export.metadata import ATTENTION_MASK, CONFIG_FILE, INPUT_IDS, MODEL_FILE
 from export.model import EncoderClassifier, EncoderConfig
 from export.parity import gate_inputs, gate_shapes
 from export.prune import PruneError, heads_to_remove, iterative_prune, prune_model

@@ -14,7 +14,7 @@ import pytest
 from prometheus import PrometheusServer
 from serving import bare_logits, deploy
 
-from export.tokenizer import ByteTokenizer
+from contract.tokenizer import ByteTokenizer
 
 pytestmark = pytest.mark.serve
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,8 +7,8 @@ from collections import defaultdict
 
 import pytest
 
+from contract.tokenizer import ByteTokenizer
 from export.tasks import KV_KEYS, TASKS, UnknownTaskError, get_task, kv_parse
-from export.tokenizer import ByteTokenizer
 
 N = 2000
 

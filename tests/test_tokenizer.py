@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from export.tokenizer import BOS_ID, NUM_SPECIAL, PAD_ID, VOCAB_SIZE, ByteTokenizer, SequenceTooLongError
+from contract.tokenizer import BOS_ID, NUM_SPECIAL, PAD_ID, VOCAB_SIZE, ByteTokenizer, SequenceTooLongError
 
 TEXTS = ["", "hello", "héllo wörld ✓", "tabs\tand\nnewlines", "日本語のテキスト", "emoji 🙂 too"]
 

@@ -12,8 +12,8 @@ from dataclasses import asdict
 import onnx
 import pytest
 
+from contract.metadata import MODEL_FILE, ModelMetadata
 from export import sweep, train_cli
-from export.metadata import MODEL_FILE, ModelMetadata
 from export.sweep_report import Row, Run, check_balance, check_diminishing_returns, check_instability
 from export.tasks import get_task
 from export.train import TRAINING_FILE, TrainConfig, _Tracker, export_trained, lr_at, train

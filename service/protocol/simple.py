@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from export.metadata import ModelMetadata
+from contract.metadata import ModelMetadata
 from service.errors import BadRequestError
 from service.validation import Rows, check_rows, int_matrix, ragged_to_rows, texts_to_rows
 

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from export.metadata import ATTENTION_MASK, INPUT_IDS, LOGITS, ModelMetadata
+from contract.metadata import ATTENTION_MASK, INPUT_IDS, LOGITS, ModelMetadata
 from service.errors import BadRequestError
 from service.validation import Rows, check_rows, int_matrix, texts_to_rows
 

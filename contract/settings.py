@@ -28,7 +28,7 @@ class ExportSettings:
     layers: int = 4
     ff_dim: int | None = None  # None: 4 * d_model
     max_len: int = 128
-    vocab_size: int = 260  # the byte tokenizer's vocabulary (export/tokenizer.py)
+    vocab_size: int = 260  # the byte tokenizer's vocabulary (contract/tokenizer.py)
     num_classes: int | None = None  # None: len(labels), else 2
     labels: tuple[str, ...] | None = None  # None: the model config's defaults, or class_0 .. class_{n-1}
     seed: int = 0
