@@ -1,13 +1,13 @@
 """The kernel benchmark's pure parts: FLOP counting, the bar's ratios, interleaved timing, the report files.
-No timed assertions: the bench itself runs by hand (`python -m export.kernel_bench`)."""
+No timed assertions: the bench itself runs by hand (`python -m benchmarks.kernel`)."""
 
 from __future__ import annotations
 
 import json
 import math
 
-from export import kernel_report
-from export.kernel_bench import QUICK, RUNNERS, Timing, forward_flops, geomean, parse_args, summarize, time_interleaved
+from benchmarks import kernel_report
+from benchmarks.kernel import QUICK, RUNNERS, Timing, forward_flops, geomean, parse_args, summarize, time_interleaved
 from export.model import EncoderConfig
 
 

@@ -1,7 +1,7 @@
 """CPU per request by stage of the request path: py-spy samples of the ingress replica, each attributed to the
 innermost stage it recognises, scaled by the replica's CPU time per request (from /proc).
 
-Used by `python -m service.benchmark --profile`; `python -m service.stage_profile FILE` reads a py-spy raw file
+Used by `python -m benchmarks.serving --profile`; `python -m benchmarks.stage_profile FILE` reads a py-spy raw file
 (`py-spy record -f raw`). No torch.
 """
 
@@ -19,7 +19,7 @@ STAGES: list[tuple[str, re.Pattern]] = [
     ("JSON encode", re.compile(r"service/responses\.py|orjson|json/encoder")),
     ("JSON decode + validation", re.compile(r"pydantic|service/protocol/|service/validation\.py|parse_body|_body ")),
     ("batching", re.compile(r"service/batching\.py|service/engine\.py|concurrent/futures")),
-    ("handler", re.compile(r"service/ingress\.py|service/placement\.py|service/asgi\.py")),
+    ("handler", re.compile(r"service/ingress\.py|service/placement\.py|service/http/")),
     ("FastAPI / Starlette", re.compile(r"fastapi/|starlette/")),
     ("Serve replica", re.compile(r"ray/serve/")),
     ("HTTP server (uvicorn, event loop)", re.compile(r"uvicorn/|asyncio/|threading\.py")),
@@ -59,7 +59,7 @@ def table(shares: dict[str, float], cpu_ms_per_request: float | None = None) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m service.stage_profile", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.stage_profile", description=__doc__.splitlines()[0])
     p.add_argument("raw", type=Path, help="py-spy raw output (py-spy record -f raw)")
     p.add_argument("--cpu-ms", type=float, help="the process's CPU per request, to turn shares into microseconds")
     args = p.parse_args(argv)

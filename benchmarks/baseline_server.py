@@ -1,6 +1,6 @@
 """The benchmark's reference server: plain FastAPI + uvicorn + one ORT session, no Ray, no batching.
 
-Run as `python -m service.bench_baseline --models DIR --name NAME --port P`; answers the same v2 JSON. No torch.
+Run as `python -m benchmarks.baseline_server --models DIR --name NAME --port P`; answers the same v2 JSON. No torch.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def make_app(models_dir: str, name: str, threads: int) -> FastAPI:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m service.bench_baseline")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.baseline_server")
     p.add_argument("--models", required=True)
     p.add_argument("--name", required=True)
     p.add_argument("--port", type=int, required=True)

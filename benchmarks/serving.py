@@ -1,4 +1,4 @@
-"""`python -m service.benchmark`: the service against bare ONNX Runtime and a plain FastAPI + ORT server, in one run.
+"""`python -m benchmarks.serving`: the service against bare ONNX Runtime and a plain FastAPI + ORT server, in one run.
 
 Small model (d_model 128, h 4, 2 layers) and default (d_model 512, h 8, 4 layers), 32 tokens per request: c=1 p50
 and c=32 throughput of each placement, the five default models served together, RSS and time to ready, then the
@@ -25,12 +25,12 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from benchmarks.servers import ServerProcess, cpu_seconds, paused
+from benchmarks.stage_profile import stage_shares, table
 from contract.metadata import MODEL_FILE, config_name
-from service.bench_client import LoadResult, load, post_bytes
-from service.bench_server import ServerProcess, cpu_seconds, paused
-from service.ports import free_port
+from loadtest.http_client import LoadResult, load, post_bytes
+from service.local.ports import free_port
 from service.runtime import SPINNING, load_runtime
-from service.stage_profile import stage_shares, table
 
 MODELS = {"small": (128, 4, 2), "default": (512, 8, 4)}  # d_model, heads, layers
 FIVE_HEADS = (1, 2, 4, 8, 16)  # the default head set (`make run`): d_model 512, 4 layers
@@ -271,11 +271,11 @@ def profiled(server: ServerProcess, names: dict[str, str], args, run: dict, othe
 
 
 class PlainServer:
-    """The plain FastAPI + ORT server (service/bench_baseline.py, no batching, one thread) in a subprocess."""
+    """The plain FastAPI + ORT server (benchmarks/baseline_server.py, no batching, one thread) in a subprocess."""
 
     def __init__(self, models_dir: Path, name: str) -> None:
         self.port = free_port()
-        cmd = [sys.executable, "-m", "service.bench_baseline", "--models", str(models_dir), "--name", name]
+        cmd = [sys.executable, "-m", "benchmarks.baseline_server", "--models", str(models_dir), "--name", name]
         self._proc = subprocess.Popen([*cmd, "--port", str(self.port), "--threads", "1"])
 
     def __enter__(self) -> PlainServer:
@@ -368,7 +368,7 @@ def report(bare: dict, plain: dict | None, runs: dict[str, dict], figures: dict[
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m service.benchmark", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.serving", description=__doc__.splitlines()[0])
     p.add_argument("--models", type=Path, default=Path("runs/bench-models"), help="where the models live")
     p.add_argument("--seconds", type=float, default=2.5, help="per figure per round (default: 2.5)")
     p.add_argument("--rounds", type=int, default=5, help="rounds of every comparison (default: 5)")

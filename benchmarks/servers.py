@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from service.ports import free_port
+from service.local.ports import free_port
 
 
 def descendants(pid: int) -> list[int]:

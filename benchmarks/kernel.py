@@ -1,6 +1,6 @@
 """Kernel benchmark: torch eager, the unfused and the fused ONNX graph in ONNX Runtime, per head count and shape.
 
-`python -m export.kernel_bench [--quick] [--out DIR]` prints a table and the ratios of issue 14's bar, and writes
+`python -m benchmarks.kernel [--quick] [--out DIR]` prints a table and the ratios of issue 14's bar, and writes
 kernel_bench.csv, kernel_bench.json and kernel_bench.png; GFLOP/s are set against a GEMM peak measured in the run."""
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
+from benchmarks import kernel_report
 from contract.metadata import ATTENTION_MASK, INPUT_IDS, MODEL_FILE
-from export import kernel_report
 from export.convert import export_model, exporter_versions
 from export.model import EncoderClassifier, EncoderConfig
 from service.runtime import session_options
@@ -214,7 +214,7 @@ def summarize(timings: list[Timing], peak: float) -> dict[str, object]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m export.kernel_bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.kernel", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help=f"a reduced grid and repeats: {_grid(QUICK)}")
     parser.add_argument("--out", type=Path, default=OUT, help=f"folder for the CSV, JSON and plot (default {OUT})")
     parser.add_argument("--repeats", type=int, default=None, help="timed samples per runner and shape")

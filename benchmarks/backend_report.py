@@ -1,6 +1,7 @@
 """Backend report: which provider each model really runs on, GPU-vs-CPU parity, and latency per h on each backend.
 
-`python -m service.backend_report --models models/ --backend gpu` (no Ray needed). A measurement, not a test. No torch.
+`python -m benchmarks.backend_report --models models/ --backend gpu` (no Ray needed). A measurement, not a test.
+No torch.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def print_table(rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m service.backend_report", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.backend_report", description=__doc__)
     parser.add_argument("--models", type=Path, default=Path("models"))
     parser.add_argument("--backend", choices=("auto", "cpu", "gpu"), default="auto")
     parser.add_argument("--shapes", default="1x32,8x128,32x32,32x128", help="BATCHxSEQ,... (seq capped at max_len)")

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from export.kernel_bench import Timing
+    from benchmarks.kernel import Timing
 
 CSV_FILE, JSON_FILE, PLOT_FILE = "kernel_bench.csv", "kernel_bench.json", "kernel_bench.png"
 LABELS = {"torch": "torch eager", "ort-unfused": "ORT, unfused graph", "ort-fused": "ORT, fused attention"}
