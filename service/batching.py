@@ -2,8 +2,8 @@
 
 No wait when idle; while a run is in flight the next batch collects what arrives, up to `max_batch_size` rows, and
 starts as soon as the run ends, from the ORT thread itself; a bounded wait list answers OverCapacityError. A short
-request that finds the model idle and its process quiet runs on the event loop's own thread. The arithmetic (merge,
-split) is pure numpy. No torch, no Ray.
+request that its caller says is alone, finding the model idle, runs on the event loop's own thread. The arithmetic
+(merge, split) is pure numpy. No torch, no Ray.
 """
 
 from __future__ import annotations
@@ -96,11 +96,11 @@ class DynamicBatcher:
     and each run is told whether it started alone (nothing else in flight or waiting: the engine gives it every ORT
     thread) or not (side by side, each on its share of the threads); no run starts beside a lone one.
 
-    A request that finds nothing in flight or waiting, with `quiet()` true (nothing else in progress in the process)
-    and an expected run time (from the last lone runs, per token) of at most `inline_max_s`, runs inline on the
-    event loop's thread instead, as bare ORT would: no hand-off to a runner thread and back, and no third thread
-    beside ORT's on the cores. The loop is held for that one short run, during which a request for this model would
-    have waited for it anyway."""
+    A request whose caller says it is alone (nothing else in progress in the process) that finds nothing in flight
+    or waiting here, with an expected run time (from the last lone runs, per token) of at most `inline_max_s`, runs
+    inline on the event loop's thread instead, as bare ORT would: no hand-off to a runner thread and back, and no
+    third thread beside ORT's on the cores. The loop is held for that one short run, during which a request for this
+    model would have waited for it anyway."""
 
     def __init__(
         self,
@@ -109,11 +109,9 @@ class DynamicBatcher:
         executor: Executor,
         policy: BatchPolicy,
         on_batch: BatchHook,
-        quiet: Callable[[], bool] | None = None,
     ):
         self.name = name
         self._run, self._executor, self._policy, self._on_batch = run, executor, policy, on_batch
-        self._quiet = quiet if policy.inline_max_s > 0 else None
         self._lone_s_per_token: float | None = None  # ORT seconds per padded token of recent lone runs (a mean)
         self._lock = threading.Lock()  # guards everything below: the event loop and the runners share it
         self._grown = threading.Condition(self._lock)  # notified when a request joins the wait list (max_wait_s)
@@ -123,34 +121,28 @@ class DynamicBatcher:
         self._idle = 0  # of those, the ones not in an ORT run (about to take a batch, or in a batch window)
         self._alone_in_flight = False  # a run that started alone (every ORT thread) is in flight: none starts beside it
 
-    async def infer(self, ids: np.ndarray, mask: np.ndarray) -> BatchResult:
-        """(n, T) ids and mask -> this request's result; more rows than a batch holds run as several chunks."""
+    async def infer(self, ids: np.ndarray, mask: np.ndarray, alone: bool = False) -> BatchResult:
+        """(n, T) ids and mask -> this request's result; more rows than a batch holds run as several chunks.
+        `alone`: nothing else is in progress in this process (the caller knows): it may then run inline."""
         step = self._policy.max_batch_size
         starts = range(0, ids.shape[0], step)
         if len(starts) == 1:
-            done = self.run_now(ids, mask)
-            return done if done is not None else await self._enqueue([(ids, mask)])[0]
+            if alone and self._inline_fits(ids):
+                return self._run_inline(ids, mask)
+            return await self._enqueue([(ids, mask)])[0]
         futures = self._enqueue([(ids[i : i + step], mask[i : i + step]) for i in starts])
         parts = await asyncio.gather(*futures)
         logits = np.concatenate([p.logits for p in parts])  # (n, C)
         slowest = max(p.queue_s for p in parts)
         return BatchResult(logits, max(p.batch_rows for p in parts), slowest, sum(p.run_s for p in parts))
 
-    def run_now(self, ids: np.ndarray, mask: np.ndarray) -> BatchResult | None:
-        """This (n, T) request's result from a run inline, on the calling event loop's thread, when it can run inline
-        now (one batch's rows, the model idle, the process quiet, its run expected short); None otherwise."""
-        if ids.shape[0] > self._policy.max_batch_size or not self._inline_fits(ids):
-            return None
-        return self._run_inline(ids, mask)
-
     def _inline_fits(self, ids: np.ndarray) -> bool:
-        """Whether this (n, T) request runs inline: the model idle, the process quiet, its run expected short."""
+        """Whether this (n, T) request of a lone caller runs inline: the model idle, its run expected short."""
         per_token = self._lone_s_per_token
-        if self._quiet is None or per_token is None or per_token * ids.size > self._policy.inline_max_s:
+        if per_token is None or per_token * ids.size > self._policy.inline_max_s:
             return False
         with self._lock:  # no run in flight, nothing waiting; a runner still alive finds nothing and ends
-            idle = self._runners == self._idle and not self._waiting
-        return idle and self._quiet()
+            return self._runners == self._idle and not self._waiting
 
     def _run_inline(self, ids: np.ndarray, mask: np.ndarray) -> BatchResult:
         """On the event loop's thread: one lone run of one request; its failure is the request's."""

@@ -11,8 +11,8 @@ import sys
 # subcommand -> (module with `main(argv) -> int`, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "export": ("export.cli", "export head configurations to ONNX (needs the `export` extra: torch)"),
-    "serve": ("service.launcher", "serve exported models with Ray Serve on an embedded local Ray"),
-    "up": ("service.up", "export the default head configurations if missing, then serve them"),
+    "serve": ("service.local.launcher", "serve exported models with Ray Serve on an embedded local Ray"),
+    "up": ("service.local.up", "export the default head configurations if missing, then serve them"),
     "loadtest": ("loadtest.cli", "bounded load against a running service, per head configuration"),
     "train": ("export.train_cli", "train one head configuration on a built-in task and export it (needs torch)"),
     "sweep": ("export.sweep", "train and compare head counts: quality versus latency per h (needs torch)"),

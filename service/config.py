@@ -5,6 +5,7 @@ Pydantic lives here only, at the process boundary; code inside the service gets 
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -14,6 +15,7 @@ Placement = Literal["auto", "colocated", "deployment"]
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: larger request bodies get 413
 HEALTH_CHECK_PERIOD_S = 2.0  # Serve's default 10 s: a crashed replica went unnoticed (and unreplaced) that long
 MAX_HEADER_BYTES = 64 << 10  # 64 KiB of request line and headers (nginx allows 32 KiB, Node.js 16 KiB)
+MAX_COLOCATED_THREADS = 4  # ORT's intra-op scaling flattens past a few threads at the batch sizes served here
 
 
 class Autoscaling(BaseModel):
@@ -56,35 +58,34 @@ class DeploymentSettings(BaseModel):
     max_concurrent_batches: int | None = Field(
         None,
         ge=1,
-        description="ORT runs of this model in flight at once. On CPU, a run that starts alone (nothing else in "
-        "flight or waiting) gets every intra-op thread; runs side by side share them out (a second session of the "
-        "same file with intra_op_threads / max_concurrent_batches threads, opened at load), so they do not contend for "
-        "the same threads, and none starts beside a lone run; None: one run per intra-op thread on CPU, 1 on GPU "
-        "(measured on 2 cores, default model at c=32: ORT CPU 8.7-10.0 against 9.5-12.6 ms per request with 1, the "
-        "rate within noise; README, Serve section)",
+        description="ORT runs of this model in flight at once; on CPU a run that starts alone gets every intra-op "
+        "thread, runs side by side share them out (a second session of the same file, opened at load); None: one run "
+        "per intra-op thread on CPU, 1 on GPU",
     )
     inline_run_max_ms: float = Field(
         20.0,
         ge=0,
-        description="on CPU, a request that finds its model idle and nothing else in progress in its replica runs on "
-        "the event loop's thread when its run is expected (from the model's last lone runs) to take at most this "
-        "long: no hand-off to a runner thread and back (measured on 2 cores, default model at c=1: 0.4-0.5 ms less "
-        "latency); the replica answers nothing else meanwhile; 0: never",
+        description="on CPU, a request alone in the ingress replica that finds its model idle runs on the event "
+        "loop's thread when its run is expected (from the model's last lone runs) to take at most this long; the "
+        "replica answers nothing else meanwhile; 0: never",
     )
-    intra_op_threads: int | None = Field(None, ge=1, description="ORT intra-op threads; None: from num_cpus")
-    light_model_threads: int | None = Field(
+    intra_op_threads: int | None = Field(
         None,
         ge=1,
-        description="ORT intra-op threads (at most) for a light model on CPU (service/engine.py LIGHT_MODEL_FLOPS: its "
-        "runs are too short for more threads to pay); None: intra_op_threads for every model. `mha-serving serve` "
-        "sets 1",
+        description=f"ORT intra-op threads; None: every core (up to {MAX_COLOCATED_THREADS}) for a co-located model, "
+        "num_cpus for a model in its own deployment",
+    )
+    light_model_threads: int | None = Field(
+        1,
+        ge=1,
+        description="ORT intra-op threads (at most) for a light model on CPU (under service/engine.py "
+        "LIGHT_MODEL_FLOPS per token), whose runs are too short for more threads to pay; None: intra_op_threads",
     )
     ort_spinning: Literal["off", "run", "always"] = Field(
         "run",
-        description="what ORT's waiting intra-op threads do: run (spin only while a run is in progress, stop when it "
-        "returns), off (sleep: each parallel section wakes them), always (ORT's default: they also spin on after a "
-        "run, taking the CPU the HTTP side needs; measured on 2 cores, small model on 2 threads: c=1 p50 1.19 / 1.38 "
-        "/ 0.97 ms and c=32 1,425 / 1,428 / 1,179 req/s for run / off / always); true/false mean always/off",
+        description="what ORT's waiting intra-op threads do: run (spin only while a run is in progress), off (sleep: "
+        "each parallel section wakes them), always (ORT's default: spin on after a run too, taking CPU the HTTP side "
+        "needs); true/false mean always/off",
     )
     health_check_period_s: float = Field(
         HEALTH_CHECK_PERIOD_S, gt=0, description="how often Serve checks each replica: a crashed one is replaced then"
@@ -101,8 +102,13 @@ class DeploymentSettings(BaseModel):
             raise ValueError("autoscaling.min_replicas must be <= autoscaling.max_replicas")
         return self
 
-    def threads(self) -> int:
-        return self.intra_op_threads or max(1, int(self.num_cpus))
+    def threads(self, placement: str) -> int:
+        """ORT intra-op threads in `placement` (colocated or deployment), evaluated where the model runs."""
+        if self.intra_op_threads is not None:
+            return self.intra_op_threads
+        if placement == "colocated":
+            return max(1, min(os.cpu_count() or 1, MAX_COLOCATED_THREADS))
+        return max(1, int(self.num_cpus))
 
     def scaling(self) -> dict:
         return replica_options(self.num_replicas, self.autoscaling)
@@ -127,10 +133,25 @@ class IngressSettings(BaseModel):
         HEALTH_CHECK_PERIOD_S, gt=0, description="how often Serve checks each replica: a crashed one is replaced then"
     )
     coalesce: bool = Field(
-        False,
-        description="send each model's waiting requests as one Ray call (service/coalescer.py): much less CPU per "
-        "request under load; Serve's per-deployment request metrics then count groups. `mha-serving serve` turns it on",
+        True,
+        description="send the requests waiting for a model in its own deployment as one Ray call per group "
+        "(service/coalescer.py); Serve's per-deployment request metrics then count groups",
     )
+    port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="the ingress replica serves HTTP itself on this port (its own uvicorn server; one replica); "
+        "None: requests come through Serve's HTTP proxy",
+    )
+    host: str = Field("127.0.0.1", description="the address the ingress's own server listens on (with `port`)")
+    access_log: bool = Field(False, description="the ingress's own server logs a line per request (with `port`)")
+
+    @model_validator(mode="after")
+    def _one_replica_on_a_port(self) -> IngressSettings:
+        if self.port is not None and (self.num_replicas != 1 or self.autoscaling is not None):
+            raise ValueError("ingress.port: one ingress replica listens on a port; set num_replicas 1, no autoscaling")
+        return self
 
     def scaling(self) -> dict:
         return replica_options(self.num_replicas, self.autoscaling)

@@ -23,14 +23,14 @@ class ModelServer:
     `attention`. A backend that cannot be honoured fails the replica at start, saying why."""
 
     def __init__(self, models_dir: str, name: str, backend: str, settings: DeploymentSettings) -> None:
-        # Never inline (quiet None): Ray calls queued for this replica's event loop are not seen until they run.
-        self._engine = ModelEngine(models_dir, name, EngineSettings.of(settings, backend))
+        self._engine = ModelEngine(models_dir, name, EngineSettings.of(settings, backend, "deployment"))
 
     def status(self) -> ModelStatus:
         return self._engine.status()
 
     async def infer(self, ids: np.ndarray, mask: np.ndarray) -> BatchResult:
-        """(n, T) int64 ids and mask, already validated by the ingress -> this request's (n, C) logits."""
+        """(n, T) int64 ids and mask, already validated by the ingress -> this request's (n, C) logits. Never
+        inline: Ray calls queued for this replica's event loop are not seen until they run."""
         return await self._engine.infer(ids, mask)
 
     async def infer_many(self, requests: list[tuple[np.ndarray, np.ndarray]]) -> list[BatchResult | Exception]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -36,10 +35,7 @@ class ModelStatus:
 
 
 # A model lighter than this (multiply-adds x 2 per token) runs on `light_model_threads` ORT threads: its runs are too
-# short for a second thread to pay for its wake-up and synchronisation. Measured on 2 cores, 32 tokens, spinning off:
-# the small model (d_model 128, 2 layers: 0.8 MFLOP per token) on 1 thread against 2: batch 1 0.38 against 0.42 ms,
-# CPU per row 0.33 against 0.36-0.47 ms at batches 8-16; the default one (25 MFLOP) needs 2 threads (batch 1: 6.2
-# against 10.6 ms). The crossover between the two was not measured; this bound sits between them.
+# short for a second thread to pay for its wake-up and synchronisation (docs/benchmarks.md, "Threads").
 LIGHT_MODEL_FLOPS = 4e6
 
 
@@ -62,8 +58,8 @@ class EngineSettings:
     runs: int | None = None  # ORT runs in flight at once; None: one per intra-op thread on CPU, one on GPU
 
     @classmethod
-    def of(cls, settings: DeploymentSettings, backend: str) -> EngineSettings:
-        """From a model's DeploymentSettings: the same engine settings in either placement."""
+    def of(cls, settings: DeploymentSettings, backend: str, placement: str) -> EngineSettings:
+        """From a model's DeploymentSettings, for its placement (colocated or deployment)."""
         policy = BatchPolicy(
             settings.max_batch_size,
             settings.max_queued_requests,
@@ -72,7 +68,7 @@ class EngineSettings:
         )
         return cls(
             backend,
-            settings.threads(),
+            settings.threads(placement),
             policy,
             settings.ort_spinning,
             settings.light_model_threads,
@@ -97,11 +93,7 @@ class ModelEngine:
     """Triton-style lifecycle: load once at construction (a bad folder is reported, a backend that cannot be honoured
     raises BackendError), then `infer` per request; `status` backs readiness and the model list."""
 
-    def __init__(
-        self, models_dir: str, name: str, settings: EngineSettings, quiet: Callable[[], bool] | None = None
-    ) -> None:
-        """`quiet`: whether nothing but the request asking is in progress in this process (a short lone request
-        then runs on the event loop's thread); None: never inline."""
+    def __init__(self, models_dir: str, name: str, settings: EngineSettings) -> None:
         self.name = name
         self._runtime: Runtime | None = None
         self._error = ""
@@ -128,7 +120,7 @@ class ModelEngine:
         self._attention = AttentionVariant(models_dir, name, threads)  # opened on first use only
         self._batcher = None
         if rt is not None:
-            self._batcher = DynamicBatcher(name, self._run, self._pool, policy, self._record_batch, quiet)
+            self._batcher = DynamicBatcher(name, self._run, self._pool, policy, self._record_batch)
 
     def status(self) -> ModelStatus:
         rt = self._runtime
@@ -136,15 +128,12 @@ class ModelEngine:
             return ModelStatus(self.name, False, self._error)
         return ModelStatus(self.name, True, rt.reason, rt.backend, rt.threads, rt.meta)
 
-    async def infer(self, ids: np.ndarray, mask: np.ndarray) -> BatchResult:
-        """(n, T) int64 ids and mask, already validated -> this request's (n, C) logits and its costs."""
+    async def infer(self, ids: np.ndarray, mask: np.ndarray, alone: bool = False) -> BatchResult:
+        """(n, T) int64 ids and mask, already validated -> this request's (n, C) logits and its costs. `alone`:
+        the caller knows nothing else is in progress in this process (a short run may then be inline)."""
         if self._batcher is None:
             raise NotReadyError(f"model {self.name!r} is not ready: {self._error}")
-        return await self._batcher.infer(ids, mask)
-
-    def infer_now(self, ids: np.ndarray, mask: np.ndarray) -> BatchResult | None:
-        """`infer`'s result when the request can run inline right now (DynamicBatcher.run_now), else None."""
-        return self._batcher.run_now(ids, mask) if self._batcher is not None else None
+        return await self._batcher.infer(ids, mask, alone)
 
     async def attention(self, ids: np.ndarray) -> AttentionResult:
         """(1, T) ids of one text -> per-layer, per-head weights from model.attn.onnx; not on the `infer` path."""

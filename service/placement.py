@@ -28,11 +28,9 @@ class ModelPlacement(Protocol):
 
     async def status(self) -> ModelStatus: ...
 
-    async def infer(self, ids: np.ndarray, mask: np.ndarray) -> BatchResult: ...
-
-    def infer_now(self, ids: np.ndarray, mask: np.ndarray) -> BatchResult | None:
-        """`infer`'s result without waiting, when the model can run the request at once on the caller's thread;
-        None when it would have to wait (the request then goes through `infer`)."""
+    async def infer(self, ids: np.ndarray, mask: np.ndarray, alone: bool = False) -> BatchResult:
+        """(n, T) ids and mask -> the request's result; `alone`: nothing else is in progress in the caller's
+        process (a co-located model may then run it on the event loop)."""
 
     async def attention(self, ids: np.ndarray) -> AttentionResult: ...
 
@@ -49,11 +47,8 @@ class Colocated:
     async def status(self) -> ModelStatus:
         return self._engine.status()
 
-    async def infer(self, ids: np.ndarray, mask: np.ndarray) -> BatchResult:
-        return await self._engine.infer(ids, mask)
-
-    def infer_now(self, ids: np.ndarray, mask: np.ndarray) -> BatchResult | None:
-        return self._engine.infer_now(ids, mask)
+    async def infer(self, ids: np.ndarray, mask: np.ndarray, alone: bool = False) -> BatchResult:
+        return await self._engine.infer(ids, mask, alone)
 
     async def attention(self, ids: np.ndarray) -> AttentionResult:
         return await self._engine.attention(ids)
@@ -81,10 +76,8 @@ class Remote:
             reason = f"no replica answered within {STATUS_TIMEOUT_S:g} s (starting, or failed at start: `serve status`)"
             return ModelStatus(self.name, False, reason)
 
-    def infer_now(self, ids: np.ndarray, mask: np.ndarray) -> BatchResult | None:
-        return None  # a Ray call is always awaited
-
-    async def infer(self, ids: np.ndarray, mask: np.ndarray) -> BatchResult:
+    async def infer(self, ids: np.ndarray, mask: np.ndarray, alone: bool = False) -> BatchResult:
+        """`alone` says nothing here: the model's replica sees its own queue."""
         if self._coalescer is not None:
             return await self._coalescer.infer(ids, mask)
         try:

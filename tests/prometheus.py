@@ -13,7 +13,7 @@ import httpx
 import pytest
 import yaml
 
-from service.ports import free_port
+from service.local.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMETHEUS_YML = ROOT / "deploy" / "prometheus.yml"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 
-from service.ports import free_port
+from service.local.ports import free_port
 
 TEST_DEPLOYMENT = {"num_cpus": 0.25, "max_batch_size": 16}  # 2 logical CPUs hold every test app's replicas
 
@@ -35,13 +35,13 @@ def start_ray_and_serve(metrics_port: int | None = None) -> int:
     import ray
     from ray import serve
 
-    from service import http_server, ports
+    from service.local.ray_env import RAY_ON_LOOPBACK
 
     port = free_port()
     # Ray exports metrics every 10 s by default; 1 s keeps the metrics tests short (Ray's processes inherit it).
     os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
-    # As shipped: Ray's own ports on loopback, and Serve's proxy with the service's callback (as on a cluster).
-    for key, value in {**ports.ray_env(ports.LOOPBACK), **http_server.proxy_env(None)}.items():
+    # As on a cluster, requests come through Serve's proxy; Ray's own ports on loopback.
+    for key, value in RAY_ON_LOOPBACK.items():
         os.environ.setdefault(key, value)
     ray.init(
         address="local",

@@ -24,7 +24,7 @@ import httpx
 import pytest
 import yaml
 
-from service.ports import free_port
+from service.local.ports import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.serve]
 

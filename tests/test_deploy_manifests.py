@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import importlib
 import re
 import shutil
 import subprocess
@@ -335,14 +334,3 @@ def test_runtime_image_pins_ray_runs_as_non_root_and_holds_no_torch_and_no_sourc
     assert any('"ray[serve]==${RAY_VERSION}"' in c for c in installs) and "pip check" in runtime
     copies = re.findall(r"^COPY (.+)$", runtime, flags=re.M)
     assert copies and all("--from=build" in c for c in copies), "the runtime stage copies no sources, only the build's"
-
-
-def test_the_image_gives_serve_proxy_the_service_callback_that_exists():
-    """Serve's proxy on every cluster node must load service/http_server.py's callback (head limits, Expect guard)."""
-    from service import http_server
-
-    runtime = (ROOT / "Dockerfile").read_text().split("AS runtime\n", 1)[1]
-    for key, value in http_server.PROXY_CALLBACK.items():
-        assert f"ENV {key}={value}" in runtime
-        module, _, name = value.partition(":")
-        assert callable(getattr(importlib.import_module(module), name))

@@ -14,8 +14,7 @@ import httpx
 import pytest
 from serving import free_port
 
-from service import launcher, ports, up
-from service.bench_server import command_line, descendants
+from service.local import launcher, ports, ray_env, up
 
 
 def test_missing_models_folder_is_one_line_and_exit_2(tmp_path, capsys):
@@ -51,16 +50,25 @@ def test_a_busy_metrics_port_is_checked_where_ray_will_listen(tiny_models_dir, c
 
 
 @pytest.mark.parametrize(
-    "host,ray_host,env",
-    [
-        ("127.0.0.1", "127.0.0.1", ports.RAY_ON_LOOPBACK),
-        ("localhost", "127.0.0.1", ports.RAY_ON_LOOPBACK),
-        ("0.0.0.0", "0.0.0.0", {}),
-        ("192.0.2.7", "0.0.0.0", {}),
-    ],
+    "host,ray_host",
+    [("127.0.0.1", "127.0.0.1"), ("localhost", "127.0.0.1"), ("0.0.0.0", "0.0.0.0"), ("192.0.2.7", "0.0.0.0")],
 )
-def test_ray_listens_on_loopback_unless_the_api_host_is_another(host, ray_host, env):
-    assert ports.ray_host(host) == ray_host and ports.ray_env(host) == env
+def test_ray_listens_on_loopback_unless_the_api_host_is_another(host, ray_host):
+    env = ray_env.ray_env(host)
+    on_loopback = ray_env.RAY_ON_LOOPBACK.items() <= env.items()
+    assert ports.ray_host(host) == ray_host and on_loopback == (ray_host == "127.0.0.1")
+    assert ray_env.LOCAL_RAY_ENV.items() <= env.items()
+
+
+def test_more_than_one_ingress_replica_on_the_api_port_is_refused_in_one_line(tiny_models_dir, tmp_path, capsys):
+    config = tmp_path / "serve.yaml"
+    config.write_text("ingress:\n  num_replicas: 2\n")
+    assert launcher.main(["--models", str(tiny_models_dir), "--config", str(config), "--port", str(free_port())]) == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        err == "mha-serving serve: invalid config: ingress: ingress.port: one ingress replica listens on a port; "
+        "set num_replicas 1, no autoscaling"
+    )
 
 
 def test_config_file_with_a_misspelt_setting_is_refused(tiny_models_dir, tmp_path, capsys):
@@ -85,13 +93,6 @@ def test_up_finds_which_default_models_are_missing(tiny_models_dir, tmp_path):
     assert "mha-h8-d512" not in up.missing_models(tmp_path)
 
 
-def ray_helpers(pid: int) -> set[str]:
-    """Which of Ray's helper processes (launcher.IDLE_HELPERS) run in the process tree below `pid`."""
-    scripts = {"log_monitor.py": "log monitor", "autoscaler/_private/monitor.py": "autoscaler monitor"}
-    cmdlines = [command_line(child) for child in descendants(pid)]
-    return {label for script, label in scripts.items() if any(script in cmdline for cmdline in cmdlines)}
-
-
 @pytest.mark.serve
 @pytest.mark.slow
 @pytest.mark.parametrize("access_log", [False, True], ids=["default", "access-log"])
@@ -114,13 +115,10 @@ def test_serve_starts_answers_on_its_port_and_stops_cleanly_on_sigterm(tiny_mode
         assert "model mha-h2-d32: h=2 head_dim=16 d_model=32 on cpu" in text
         r = httpx.post(f"http://127.0.0.1:{port}/v1/models/mha-h2-d32/predict", json={"text": "hi"}, timeout=30)
         assert r.status_code == 200 and r.json()["model"] == "mha-h2-d32"
-        # Ray's helpers that nothing reads locally are gone; the log monitor stays when it has the access log to
-        # forward to the server's output, and the metrics export (the dashboard agent's) stays either way
-        assert ray_helpers(proc.pid) == ({"log monitor"} if access_log else set())
         assert httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).status_code == 200
         if access_log:
             deadline = time.time() + 30
-            while "POST /v1/models/{name}/predict 200" not in log.read_text():  # Serve logs the route
+            while '"POST /v1/models/mha-h2-d32/predict HTTP/1.1" 200' not in log.read_text():  # uvicorn's line
                 assert time.time() < deadline, "no access log line within 30 s:\n" + log.read_text()
                 time.sleep(0.5)
     finally:

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
+from benchmarks.stage_profile import classify, stage_shares
 from contract.metadata import ModelMetadata
 from service.batching import BatchPolicy
 from service.config import AppConfig
 from service.engine import LIGHT_MODEL_FLOPS, EngineSettings, flops_per_token
-from service.launcher import cpus_needed, local_defaults
-from service.stage_profile import classify, stage_shares
+from service.local.launcher import cpus_needed
 
 NAMES = ["mha-h2-d32", "mha-h4-d32"]
 
@@ -66,13 +66,21 @@ def test_only_models_in_their_own_deployments_reserve_cpus_locally():
     assert cpus_needed(mixed, NAMES) == 1 + 3
 
 
-def test_local_defaults_fill_only_what_the_config_leaves_unset():
-    filled = local_defaults(AppConfig(), direct=True)
-    assert filled.ingress.coalesce and filled.ingress.num_replicas == 1
-    assert 1 <= filled.deployment.intra_op_threads <= 4
-    assert filled.deployment.light_model_threads == 1
-    kept = local_defaults(AppConfig(deployment={"intra_op_threads": 3}, ingress={"coalesce": False}), direct=False)
-    assert kept.deployment.intra_op_threads == 3 and not kept.ingress.coalesce
+def test_ort_threads_default_to_every_core_up_to_four_co_located_and_to_num_cpus_in_a_deployment():
+    import os
+
+    settings = AppConfig(deployment={"num_cpus": 3}).deployment
+    assert settings.threads("colocated") == max(1, min(os.cpu_count() or 1, 4))
+    assert settings.threads("deployment") == 3
+    assert AppConfig(deployment={"intra_op_threads": 5}).deployment.threads("colocated") == 5
+    assert AppConfig().deployment.light_model_threads == 1 and AppConfig().ingress.coalesce
+
+
+def test_one_ingress_replica_may_listen_on_a_port():
+    assert AppConfig(ingress={"port": 8000}).ingress.port == 8000
+    for ingress in ({"port": 8000, "num_replicas": 2}, {"port": 8000, "autoscaling": {"max_replicas": 2}}):
+        with pytest.raises(ValidationError, match="one ingress replica listens on a port"):
+            AppConfig(ingress=ingress)
 
 
 def _meta(d_model: int, layers: int) -> ModelMetadata:
@@ -104,7 +112,7 @@ def test_a_profile_sample_counts_for_its_innermost_recognised_stage():
     assert classify([outer, "DynamicBatcher._drain (service/batching.py:150)", "Session.run (onnxruntime/x.py:1)"]) == (
         "ORT run"
     )
-    assert classify(["FrontDoor.__call__ (service/asgi.py:70)", "Counter.inc (ray/util/metrics.py:9)"]) == "metrics"
+    assert classify(["Ingress._measured (service/ingress.py:70)", "Counter.inc (ray/util/metrics.py:9)"]) == "metrics"
     assert classify(["main (x.py:1)"]) == "other"
     raw = f"{outer};Session.run (onnxruntime/a.py:1) 3\n{outer};Route.matches (starlette/routing.py:2) 1\n"
     assert stage_shares(raw) == {"ORT run": 0.75, "FastAPI / Starlette": 0.25}

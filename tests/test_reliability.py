@@ -24,8 +24,8 @@ import httpx
 import numpy as np
 import pytest
 
-from service.bench_client import post_bytes
-from service.bench_server import ServerProcess, descendants, memory_kib
+from benchmarks.servers import ServerProcess, descendants, memory_kib
+from loadtest.http_client import post_bytes
 
 pytestmark = [pytest.mark.serve, pytest.mark.slow]
 PREDICT = "/v1/models/mha-h2-d32/predict"
@@ -315,19 +315,19 @@ def _name(pid: int) -> str:
     return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
 
 
-def test_inference_routes_go_past_serves_request_wrapper_and_the_other_routes_through_it(server):
-    """`mha-serving serve` sends predict and infer straight to the application (no `x-request-id`, which Serve's
-    wrapper adds); health and the model list still go through Serve; both answer alike."""
+def test_every_route_is_answered_by_the_ingresss_own_server_past_no_serve_wrapper(server):
+    """`mha-serving serve`: one way in, the ingress replica's own server: no route carries Serve's `x-request-id`,
+    which its proxy and its request wrapper add; every route answers JSON."""
     base = f"http://127.0.0.1:{server.port}"
     with httpx.Client(base_url=base, timeout=30) as client:
         predict = client.post(PREDICT, json={"text": "fast"})
         tensor = {"name": "text", "datatype": "BYTES", "shape": [1], "data": ["fast"]}
         infer = client.post(f"/v2/models/{SLOW}/infer", json={"inputs": [tensor]})
-        wrapped = [client.get(path) for path in ("/v2/health/ready", "/v1/models")]
+        others = [client.get(path) for path in ("/v2/health/ready", "/v1/models")]
     assert predict.status_code == infer.status_code == 200, (predict.text, infer.text)
-    assert "x-request-id" not in predict.headers and "x-request-id" not in infer.headers
-    assert all(r.status_code == 200 and "x-request-id" in r.headers for r in wrapped)
-    assert predict.headers["content-type"] == wrapped[0].headers["content-type"] == "application/json"
+    for r in (predict, infer, *others):
+        assert r.status_code == 200 and "x-request-id" not in r.headers
+        assert r.headers["content-type"] == "application/json"
 
 
 ANSWERED_ALIKE = [  # (path, body): answers, errors included, that must not depend on how a request was handled
@@ -371,10 +371,9 @@ def _answers(port: int) -> list[tuple[int, str, dict]]:
     return out
 
 
-def test_a_lone_request_answered_at_once_answers_as_the_asgi_path_does_errors_included(server):
-    """Alone in the ingress, an inference request whose body is in is answered from the HTTP server's callback
-    (service/http_server.py, Ingress.answer_now: no task, no ASGI app); with another request in progress (here a
-    body still arriving), the same requests take the ASGI path. Both answer every request alike."""
+def test_a_lone_request_run_inline_answers_as_a_batched_one_does_errors_included(server):
+    """Alone in the ingress, an inference request runs on the event loop (inline); with another request in
+    progress (here a body still arriving), the same requests go through the batcher. Both answer alike."""
     _answers(server.port)  # a lone run first: the model learns how long a lone run takes (inline runs need it)
     lone = _answers(server.port)
     with socket.create_connection(("127.0.0.1", server.port)) as slow:
@@ -386,9 +385,9 @@ def test_a_lone_request_answered_at_once_answers_as_the_asgi_path_does_errors_in
     assert {content_type for _, content_type, _ in lone} == {"application/json"}
 
 
-def test_requests_answered_at_once_are_counted_like_the_others_through_a_real_prometheus(server):
+def test_lone_requests_run_inline_are_counted_like_the_others_through_a_real_prometheus(server):
     """The ingress's request counter, scraped by a real Prometheus from the server's metrics export, counts the
-    lone requests answered from the HTTP server's callback, with their status codes."""
+    lone requests run inline, with their status codes."""
     from prometheus import PrometheusServer
 
     query = 'sum by (code) (ray_mha_requests_total{model="mha-h2-d32", endpoint="v2_infer"})'
@@ -413,12 +412,13 @@ def test_requests_answered_at_once_are_counted_like_the_others_through_a_real_pr
     assert after["200"] == before["200"] + 5 and after["400"] == before["400"] + 1
 
 
-def test_everything_listens_on_loopback_and_serve_proxy_is_no_second_entry_point(server):
+def test_everything_listens_on_loopback_and_no_serve_proxy_is_a_second_entry_point(server):
     """--host 127.0.0.1: the API, Ray's metrics ports, agents and gRPC on loopback. Ray 2.60 binds only each Serve
-    replica's own gRPC port on every interface ([::], token-authenticated): not HTTP, checked here."""
+    replica's own gRPC port on every interface ([::], token-authenticated): not HTTP, checked here. Serve runs no
+    HTTP proxy: the ingress's own server is the one way in."""
     sockets = _listening(descendants(os.getsid(server.replica_pid("ingress"))))
     wide = [(a, port, _name(pid)) for a, port, pid in sockets if not _is_loopback(a)]
-    proxy = [port for a, port, pid in sockets if _name(pid) == "ray::ProxyActor" and a == "127.0.0.1"]  # its HTTP
+    proxies = [port for _, port, pid in sockets if _name(pid) == "ray::ProxyActor"]
     print(f"\nlistening: {len(sockets)} sockets, {len(sockets) - len(wide)} on loopback; others: {wide}")
     assert (server.port, "127.0.0.1") in {(port, a) for a, port, _ in sockets}
     assert (server.metrics_port, "127.0.0.1") in {(port, a) for a, port, _ in sockets}
@@ -426,11 +426,8 @@ def test_everything_listens_on_loopback_and_serve_proxy_is_no_second_entry_point
         assert address == "::" and name.startswith("ray::ServeReplica"), (address, port, name)
         answer = _send(port, b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         assert not answer.startswith(b"HTTP/1"), answer[:100]
-    assert len(proxy) == 1  # Serve keeps its proxy with direct ingress; it refuses everything
-    r = httpx.get(f"http://127.0.0.1:{proxy[0]}/v1/models", timeout=10)
-    assert r.status_code == 404 and r.json() == {
-        "error": f"nothing is served on this port; the API is on port {server.port}"
-    }
+    assert proxies == []
+    assert not any(_name(pid) == "ray::ProxyActor" for pid in descendants(os.getsid(server.replica_pid("ingress"))))
 
 
 CLIENT_TIMEOUT_S = 10.0  # every request is bounded (by the recovery bound): one waiting longer shows up as "timeout"

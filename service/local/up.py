@@ -12,7 +12,7 @@ from pathlib import Path
 
 from contract.metadata import MODEL_FILE, config_name
 from contract.settings import DEFAULT_HEADS
-from service import launcher
+from service.local import launcher
 
 D_MODEL, LAYERS = 512, 4  # the default set: d_model 512, h in DEFAULT_HEADS, 4 layers
 

@@ -11,9 +11,6 @@ from pathlib import Path
 
 LOOPBACK = "127.0.0.1"
 EVERYWHERE = "0.0.0.0"
-# Ray's single-machine mode (its default on macOS and Windows): the node's address is 127.0.0.1, so Ray's metrics
-# ports (export, dashboard, autoscaler), its agents and its gRPC servers listen on loopback only.
-RAY_ON_LOOPBACK = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
 class PortError(RuntimeError):
@@ -27,12 +24,6 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-def ray_env(host: str) -> dict[str, str]:
-    """Environment for an embedded Ray serving on `host`: loopback only for a loopback host; for any other, Ray
-    binds its metrics ports on every interface (Ray 2.60 offers loopback or all, not one address)."""
-    return dict(RAY_ON_LOOPBACK) if is_loopback(host) else {}
 
 
 def ray_host(host: str) -> str:

@@ -1,0 +1,145 @@
+"""The one ASGI application: every route, declared once per protocol, over the ingress (service/ingress.py); the
+one mapping of errors to responses; request limits as middleware; the completed OpenAPI document. No torch.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException
+
+from service import attention_api, openapi
+from service.http.limits import RequestLimitsMiddleware
+from service.protocol import simple, v2
+from service.responses import error_response, json_response
+
+if TYPE_CHECKING:
+    from service.ingress import Ingress
+
+REQUEST_BODIES = [v2.InferRequest, simple.PredictRequest, attention_api.AttentionRequest]
+INFER_DOCS = {
+    "openapi_extra": openapi.request_body(v2.InferRequest),
+    "responses": openapi.responses(v2.InferResponse, 404, 503, *openapi.WITH_BODY),
+}
+# FastAPI's own OpenTelemetry instrumentation (newer FastAPI) asks the global providers on every request whether it is
+# configured; the service's metrics go through Ray's Prometheus export instead.
+_NO_OTEL = {"telemetry": {"tracing": False, "metrics": False, "logs": False}}
+
+
+def create_app(ingress: Ingress) -> FastAPI:
+    otel_off = _NO_OTEL if "telemetry" in inspect.signature(FastAPI.__init__).parameters else {}
+    app = FastAPI(title="mha-serving", description="Multi-head attention classifiers on ONNX Runtime.", **otel_off)
+    app.add_middleware(RequestLimitsMiddleware, limits=ingress.limits)
+    _map_errors(app)
+    _inference_routes(app, ingress)  # first: the router tries routes in order
+    _v2_routes(app, ingress)
+    _v1_routes(app, ingress)
+    app.openapi = lambda: _openapi(app, ingress.model_names)  # FastAPI's documented way to extend the document
+    return app
+
+
+def _map_errors(app: FastAPI) -> None:
+    """Every error a route raises becomes `{"error": ...}` with its status (service/responses.py)."""
+
+    async def mapped(_: Request, exc: Exception) -> Response:
+        return error_response(exc)
+
+    async def invalid(_: Request, exc: RequestValidationError) -> Response:
+        return json_response({"error": "invalid request: " + describe_errors(exc.errors())}, 400)
+
+    async def http_error(_: Request, exc: HTTPException) -> Response:  # Starlette's 404 and 405
+        return json_response({"error": str(exc.detail)}, exc.status_code, exc.headers)
+
+    app.add_exception_handler(Exception, mapped)
+    app.add_exception_handler(RequestValidationError, invalid)
+    app.add_exception_handler(HTTPException, http_error)
+
+
+def describe_errors(errors: list) -> str:
+    """pydantic's errors in one line: where and what, the first five."""
+    problems = []
+    for err in errors[:5]:
+        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
+        problems.append(f"{where}: {err.get('msg', 'invalid')}")
+    return "; ".join(problems)
+
+
+def _inference_routes(app: FastAPI, ingress: Ingress) -> None:
+    @app.post("/v2/models/{name}/infer", **INFER_DOCS)
+    async def infer(name: str, request: Request) -> Response:
+        return await ingress.infer(request, name)
+
+    @app.post("/v2/models/{name}/versions/{version}/infer", **INFER_DOCS)
+    async def infer_version(name: str, version: str, request: Request) -> Response:
+        return await ingress.infer(request, name, version)
+
+    @app.post(
+        "/v1/models/{name}/predict",
+        openapi_extra=openapi.request_body(simple.PredictRequest),
+        responses=openapi.responses(simple.PredictResponse, 404, 503, *openapi.WITH_BODY),
+    )
+    async def predict(name: str, request: Request) -> Response:
+        return await ingress.predict(request, name)
+
+
+def _v2_routes(app: FastAPI, ingress: Ingress) -> None:
+    """The Open Inference Protocol v2's health and metadata routes."""
+
+    @app.get("/v2/health/live", responses=openapi.responses(v2.Live))
+    async def live() -> Response:
+        return json_response({"live": True})
+
+    @app.get("/v2/health/ready", responses=openapi.responses(v2.Ready, 503))
+    async def ready() -> Response:
+        return await ingress.ready()
+
+    @app.get("/v2", responses=openapi.responses(v2.ServerMetadata))
+    async def server_metadata() -> Response:
+        return json_response(ingress.server_metadata())
+
+    @app.get("/v2/models/{name}", responses=openapi.responses(v2.ModelMetadataResponse, 404, 503))
+    async def model_metadata(name: str) -> Response:
+        return json_response(await ingress.model_metadata(name))
+
+    @app.get("/v2/models/{name}/versions/{version}", responses=openapi.responses(v2.ModelMetadataResponse, 404, 503))
+    async def model_version_metadata(name: str, version: str) -> Response:
+        return json_response(await ingress.model_metadata(name, version))
+
+    @app.get("/v2/models/{name}/ready", responses=openapi.responses(v2.ModelReady, 404, 503))
+    async def model_ready(name: str) -> Response:
+        return await ingress.model_ready(name)
+
+    @app.get("/v2/models/{name}/versions/{version}/ready", responses=openapi.responses(v2.ModelReady, 404, 503))
+    async def model_version_ready(name: str, version: str) -> Response:
+        return await ingress.model_ready(name, version)
+
+
+def _v1_routes(app: FastAPI, ingress: Ingress) -> None:
+    """The simple JSON API's model list and attention (predict is with the inference routes)."""
+
+    @app.get("/v1/models", responses=openapi.responses(simple.ModelList))
+    async def list_models() -> Response:
+        return json_response({"models": await ingress.list_models()})
+
+    @app.post(
+        "/v1/models/{name}/attention",
+        openapi_extra=openapi.request_body(attention_api.AttentionRequest),
+        responses=openapi.responses(attention_api.AttentionResponse, 404, 503, *openapi.WITH_BODY),
+    )
+    async def attention(name: str, request: Request) -> Response:
+        """Per-layer, per-head attention weights of one text (from model.attn.onnx, opened on first use)."""
+        return await ingress.attention(request, name)
+
+
+def _openapi(app: FastAPI, model_names: list[str]) -> dict[str, Any]:
+    """FastAPI's document, completed (service/openapi.py) with the request bodies and the served model names."""
+    if app.openapi_schema is None:
+        document = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        values = {"name": model_names, "version": [v2.MODEL_VERSION]}
+        app.openapi_schema = openapi.completed(document, REQUEST_BODIES, values)
+    return app.openapi_schema

@@ -1,0 +1,157 @@
+"""The one adapter to uvicorn's internals: its httptools protocol, refusing an oversized request head while it
+arrives (no public uvicorn option bounds a head under httptools), writing each response in one send, and cancelling
+a request whose client went away. uvicorn and httptools are pinned to the tested range (pyproject.toml);
+tests/test_head_limits.py fails when a hook stops engaging. No torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from service.config import RequestLimits
+from service.errors import BodyTooLargeError, HeadersTooLargeError, ServiceError
+from service.responses import raw_error_response
+
+HEAD_CHECKED = "mha.head_checked"  # scope key: the head was held to the limits as it arrived
+LINGER_S = 2.0  # after a refusal, the rest of the request is read and dropped this long, so the client sees the answer
+
+
+def protocol(limits: RequestLimits) -> functools.partial:
+    """What `uvicorn.Config(http=...)` takes: the protocol class, bound to `limits`."""
+    return functools.partial(HeadLimitedProtocol, limits=limits)
+
+
+def body_too_large(size: int, limit: int) -> BodyTooLargeError:
+    return BodyTooLargeError(f"request body of {size} bytes is over the limit of {limit} bytes")
+
+
+class CoalescedWrites:
+    """A connection's transport, except that what is written within one event-loop turn goes out in one send:
+    uvicorn writes a response's head and its body apart, two send syscalls where one does. Flushed when the
+    response is complete, before a close or an EOF, and at the end of the loop turn otherwise (a streamed body)."""
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport, self._loop = transport, loop
+        self._pending: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        if not self._pending:
+            self._loop.call_soon(self.flush)
+        self._pending.append(data)
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        data = self._pending[0] if len(self._pending) == 1 else b"".join(self._pending)
+        self._pending = []
+        if not self._transport.is_closing():
+            self._transport.write(data)
+
+    def write_eof(self) -> None:
+        self.flush()
+        self._transport.write_eof()
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def __getattr__(self, name: str):
+        return getattr(self._transport, name)
+
+
+class HeadLimitedProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol, refusing a request while its head arrives: a head (request line and headers)
+    over `limits.max_header_bytes` or with more than `limits.max_headers` headers (431; nothing past the limit is
+    kept), or an `Expect: 100-continue` for a body over `limits.max_body_bytes` (413, before any `100 Continue`)."""
+
+    def __init__(self, *args, limits: RequestLimits, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.limits = limits
+        self._in_head = False  # a request head has begun and is not complete yet
+        self._head_bytes = 0  # its bytes as parsed (request target, headers)
+        self._arrived = 0  # bytes received while it was incomplete
+        self._refusal: ServiceError | None = None
+        self._task: asyncio.Task | None = None  # the task running this connection's current request
+        self.app = self._noting_task(self.app)
+
+    def _noting_task(self, app):
+        async def noted(scope, receive, send) -> None:
+            self._task = asyncio.current_task()
+            await app(scope, receive, send)
+
+        return noted
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self.transport = CoalescedWrites(transport, self.loop)  # type: ignore[assignment]
+
+    def on_response_complete(self) -> None:
+        self.transport.flush()
+        super().on_response_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        """The client went away: a request still unanswered is cancelled (its batch slot freed, counted as 499)."""
+        cycle, task = self.cycle, self._task
+        super().connection_lost(exc)
+        if task is not None and cycle is not None and not cycle.response_complete and not task.done():
+            task.cancel()
+
+    def data_received(self, data: bytes) -> None:
+        if self._refusal is not None:
+            return  # the rest of a refused request: dropped
+        super().data_received(data)  # an error raised by a callback below ends up in send_400_response
+        if self._in_head and self._refusal is None:
+            self._arrived += len(data)
+            if self._arrived > self.limits.max_header_bytes:
+                self._refusal = self._head_too_large()
+                self._refuse()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._in_head, self._head_bytes, self._arrived = True, 0, 0
+
+    def on_url(self, url: bytes) -> None:
+        self._head_bytes += len(url)
+        if self._head_bytes > self.limits.max_header_bytes:
+            self._stop(self._head_too_large())
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        limits = self.limits
+        if len(self.headers) >= limits.max_headers:
+            self._stop(HeadersTooLargeError(f"more than {limits.max_headers} request headers"))
+        self._head_bytes += len(name) + len(value) + 4  # "name: value\r\n"
+        if self._head_bytes > limits.max_header_bytes:
+            self._stop(self._head_too_large())
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        length = dict(self.headers).get(b"content-length", b"") if self.expect_100_continue else b""
+        if length.isdigit() and int(length) > self.limits.max_body_bytes:
+            self._stop(body_too_large(int(length), self.limits.max_body_bytes))
+        self.scope[HEAD_CHECKED] = True  # type: ignore[typeddict-unknown-key]
+        super().on_headers_complete()
+
+    def _head_too_large(self) -> HeadersTooLargeError:
+        return HeadersTooLargeError(f"request headers are over the limit of {self.limits.max_header_bytes} bytes")
+
+    def _stop(self, refusal: ServiceError) -> None:
+        """Stop the parser (inside its callback); uvicorn then calls send_400_response, which answers `refusal`."""
+        self._refusal = refusal
+        raise refusal
+
+    def send_400_response(self, msg: str) -> None:
+        if self._refusal is None:
+            return super().send_400_response(msg)
+        self._refuse()
+
+    def _refuse(self) -> None:
+        """Answer the refusal, then read and drop what the client still sends for LINGER_S before closing."""
+        self.transport.write(raw_error_response(self._refusal))
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.loop.call_later(LINGER_S, self.transport.close)

@@ -1,0 +1,99 @@
+"""The ingress replica's own HTTP server: a stock uvicorn server (public `uvicorn.Config` / `Server` options) on the
+replica's event loop, serving the service's ASGI application on `ingress.port`, so that no proxy and no per-request
+Serve wrapper stand between a client and the application. No torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Iterator
+
+import uvicorn
+
+from service.config import RequestLimits
+from service.http import head_limits
+
+KEEP_ALIVE_S = 30  # idle keep-alive connections are closed after this (uvicorn's default 5 s cut load generators off)
+
+
+class _ReplicaServer(uvicorn.Server):
+    """uvicorn's server, except that it leaves signals alone: the replica's signals are Ray's."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port, reusing the address: after a crash, the old connections' TIME_WAIT must not keep
+    a restarted replica off its port."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"the ingress cannot listen on {host}:{port}: {exc.strerror}") from exc
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+class AccessLog:
+    """ASGI middleware: one line per request (uvicorn's format) through Serve's logger, which writes it to the
+    replica's log file and, where Serve logs to stderr, to the server's output."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+        self.logger = logging.getLogger("ray.serve")
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = []
+
+        async def noting(message) -> None:
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, noting)
+        finally:
+            client = "{}:{}".format(*scope["client"]) if scope.get("client") else "-"
+            request = f"{scope['method']} {scope['path']} HTTP/{scope['http_version']}"
+            self.logger.info('%s - "%s" %s', client, request, status[0] if status else "-")
+
+
+class HttpServer:
+    """One uvicorn server over `app`, started on the running event loop; bound at construction, so a port that
+    cannot be had fails the replica's start, saying why."""
+
+    def __init__(self, app, host: str, port: int, limits: RequestLimits, access_log: bool = False) -> None:
+        config = uvicorn.Config(
+            AccessLog(app) if access_log else app,
+            http=head_limits.protocol(limits),
+            lifespan="off",
+            log_config=None,
+            access_log=False,  # uvicorn's own access logger is reconfigured by Serve in a replica: AccessLog instead
+            timeout_keep_alive=KEEP_ALIVE_S,
+            server_header=False,
+        )
+        self._server = _ReplicaServer(config)
+        self._socket = _listening_socket(host, port)
+        self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[self._socket]))
+
+    def requests_in_progress(self) -> int:
+        """Requests whose head was read and whose response is not complete yet, every connection's: each has its
+        task from the moment its head is parsed, before the event loop runs any of them."""
+        return len(self._server.server_state.tasks)
+
+    def check(self) -> None:
+        """Raise if the server stopped (Serve's health check then replaces the replica)."""
+        if self._task.done():
+            error = None if self._task.cancelled() else self._task.exception()
+            raise RuntimeError(f"the ingress's HTTP server stopped: {error!r}")

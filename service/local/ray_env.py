@@ -1,0 +1,45 @@
+"""The one place that sets environment variables for the embedded Ray, before it starts: what Ray and Serve read at
+start-up, and so cannot take from AppConfig. Each one's effect is in docs/configuration.md. No torch.
+"""
+
+from __future__ import annotations
+
+import os
+
+from service.local.ports import is_loopback
+
+# Set with setdefault: the user's own values win.
+LOCAL_RAY_ENV = {
+    # Ray starts its workers at nice 15: any normal process on the machine (a load generator, a build) would starve
+    # the replicas. A local server runs them at normal priority.
+    "RAY_worker_niceness": "0",
+    # User code on the replica's main event loop, gRPC between deployments, frozen GC: less CPU per request.
+    "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+    # Serve's controller reconciles every 0.1 s, asking the GCS for the cluster's state each time; on one machine
+    # there is nothing to scale, and the slower pass only delays a failed replica's restart.
+    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
+    # The ingress serves the API on its own server (service/http/server.py): Serve's direct-ingress server in the
+    # replica (on by default with the throughput-optimized mode) would be a second way in.
+    "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
+    # No Ray started behind the launcher's back: a Serve long-poll client's late update during shutdown once called
+    # ray.init() from Ray's callback thread, and shutdown waited on it until SIGKILL.
+    "RAY_ENABLE_AUTO_CONNECT": "0",
+}
+# With --access-log: Serve's logger writes each line to stderr too (which Ray forwards to the server's output) and at
+# once (the throughput-optimized mode buffers the request path's lines 1,000 at a time).
+ACCESS_LOG_ENV = {"RAY_SERVE_LOG_TO_STDERR": "1", "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1"}
+# Ray's single-machine mode: the node's address is 127.0.0.1, so Ray's metrics ports, agents and gRPC servers listen
+# on loopback only. For another --host, Ray binds them on every interface (Ray offers loopback or all, not one).
+RAY_ON_LOOPBACK = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+def ray_env(host: str, access_log: bool = False) -> dict[str, str]:
+    """The environment for an embedded Ray serving the API on `host`."""
+    loopback = RAY_ON_LOOPBACK if is_loopback(host) else {}
+    return {**LOCAL_RAY_ENV, **loopback, **(ACCESS_LOG_ENV if access_log else {})}
+
+
+def set_ray_env(host: str, access_log: bool = False) -> None:
+    """Set `ray_env(...)` in this process's environment (inherited by Ray's processes), the user's values kept."""
+    for key, value in ray_env(host, access_log).items():
+        os.environ.setdefault(key, value)
