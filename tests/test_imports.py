@@ -60,3 +60,54 @@ def test_the_probe_does_block_torch():
     result = _probe("export.model")
     assert "ModuleNotFoundError" in result["failed"]["export.model"]
     assert "torch" in result["failed"]["export.model"]
+
+
+def _imports(folder: str) -> dict[str, set[str]]:
+    """Each module file under `folder` -> the modules it imports (absolute, from the source's AST)."""
+    import ast
+
+    found = {}
+    for path in sorted((ROOT / folder).rglob("*.py")):
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
+        found[str(path.relative_to(ROOT))] = names
+    return found
+
+
+@pytest.mark.parametrize(
+    ("folder", "forbidden"),
+    [
+        ("service", "export"),
+        ("contract", "export"),
+        ("contract", "service"),
+        ("export", "service"),
+        ("loadtest", "service"),
+    ],
+)
+def test_no_import_arrow_runs_against_the_layout(folder, forbidden):
+    wrong = {
+        f: sorted(n for n in names if n == forbidden or n.startswith(forbidden + "."))
+        for f, names in _imports(folder).items()
+    }
+    assert not {f: n for f, n in wrong.items() if n}
+
+
+def test_only_the_one_adapter_reaches_into_uvicorn_or_ray_internals():
+    private = ("ray._private", "ray.serve._private", "uvicorn.protocols")
+    reaching = {
+        f: sorted(n for n in names if n.startswith(private))
+        for f, names in _imports("service").items()
+        if any(n.startswith(private) for n in names)
+    }
+    assert reaching == {
+        "service/http/head_limits.py": [
+            "uvicorn.protocols.http.httptools_impl",
+            "uvicorn.protocols.http.httptools_impl.HttpToolsProtocol",
+        ]
+    }
+    sources = "".join(p.read_text() for p in (ROOT / "service").rglob("*.py"))
+    assert "_start_asgi_task" not in sources and "HTTP_PROTOCOLS" not in sources
