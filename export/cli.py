@@ -24,7 +24,7 @@ config file (--config, YAML or JSON): the flags' names as keys, for example
 flags given on the command line override the file.
 
 --model package.module:factory exports your own model built with export.attention.MultiHeadAttention; the factory
-protocol is documented in export/user_model.py and in the README's Export section."""
+protocol is documented in export/user_model.py and in docs/export.md."""
 
 
 class _Parser(argparse.ArgumentParser):
