@@ -93,7 +93,8 @@ def test_a_request_with_more_rows_than_max_batch_size_is_split_and_answered_in_o
 def two_run_service(serve_port, tiny_models_dir):
     """The model on two ORT threads, so two runs may be in flight at once (the default on CPU): a run that starts
     alone has both threads, runs side by side have one each (a second session of the same file)."""
-    settings = {"num_cpus": 0.1, "intra_op_threads": 2, "max_batch_size": 4, "max_ongoing_requests": 64}
+    settings = {"num_cpus": 0.1, "intra_op_threads": 2, "light_model_threads": None, "max_batch_size": 4}
+    settings["max_ongoing_requests"] = 64  # a tiny model is light: light_model_threads None keeps it on both threads
     return deploy(serve_port, "two-runs", tiny_models_dir, models=[NAME], deployment=settings)
 
 

@@ -127,7 +127,9 @@ def test_gpu_head_configurations_fit_only_gpu_workers_and_cpu_ones_only_cpu_work
     assert capacity["cpu-workers"][1] == 0
     assert config.ingress.num_cpus > 0, "a CPU request keeps the ingress off the head (num-cpus 0)"
     for name in cpu_models:
-        assert config.settings_for(name).threads() <= config.ingress.num_cpus, f"{name}'s ORT threads fit the ingress"
+        assert config.settings_for(name).threads("colocated") <= config.ingress.num_cpus, (
+            f"{name}'s ORT threads fit the ingress"
+        )
 
 
 def test_autoscaled_head_configurations_fit_the_cpu_group_at_their_maximum():

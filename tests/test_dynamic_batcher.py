@@ -55,7 +55,18 @@ def pool():
 def batcher(model, pool, quiet=None, **policy) -> tuple[DynamicBatcher, list]:
     batches: list = []
     hook = lambda n, tokens, run_s, waits: batches.append((n, tokens, len(waits)))  # noqa: E731
-    return DynamicBatcher("m", model, pool, BatchPolicy(**policy), hook, quiet), batches
+    return Caller(DynamicBatcher("m", model, pool, BatchPolicy(**policy), hook), quiet), batches
+
+
+class Caller:
+    """The batcher as the ingress calls it: each request says whether it is alone, as `quiet()` says (what the HTTP
+    server knows); without `quiet`, never alone."""
+
+    def __init__(self, batcher: DynamicBatcher, quiet) -> None:
+        self._batcher, self._quiet = batcher, quiet
+
+    async def infer(self, ids, mask):
+        return await self._batcher.infer(ids, mask, self._quiet is not None and self._quiet())
 
 
 def test_an_idle_batcher_runs_a_request_at_once_alone(pool):
@@ -212,21 +223,19 @@ def test_a_short_lone_request_runs_on_the_event_loop_thread_once_its_cost_is_kno
         assert result.batch_rows == 1
 
 
-def test_run_now_answers_only_what_could_run_inline_and_leaves_the_rest_to_infer(pool):
+def test_only_a_one_batch_request_of_known_cost_runs_inline(pool):
     model = ThreadRecorder(seconds=0.001)
-    b, batches = batcher(model, pool, quiet=lambda: True, inline_max_s=1.0, max_batch_size=2)
+    b, _ = batcher(model, pool, quiet=lambda: True, inline_max_s=1.0, max_batch_size=2)
 
     async def sequence():
-        unknown_cost = b.run_now(*rows(1, 4))  # no lone run yet: nothing known of its cost
-        await b.infer(*rows(1, 4))  # on a runner: the cost per token is learned
-        too_many_rows = b.run_now(*rows(3, 4))  # more rows than one batch: chunks, awaited
+        await b.infer(*rows(1, 4))  # no lone run yet, nothing known of its cost: on a runner, which learns it
+        await b.infer(*rows(3, 4))  # more rows than one batch: chunks, on runners
         ids, mask = rows(1, 4, 7)
-        return unknown_cost, too_many_rows, b.run_now(ids, mask), expected(ids, mask), threading.get_ident()
+        return await b.infer(ids, mask), expected(ids, mask), threading.get_ident()
 
-    unknown_cost, too_many_rows, now, logits, loop_thread = run(sequence())
-    assert unknown_cost is None and too_many_rows is None
+    now, logits, loop_thread = run(sequence())
     np.testing.assert_array_equal(now.logits, logits)
-    assert model.threads[-1] == loop_thread and len(model.threads) == 2 and batches == [(1, 4, 1)] * 2
+    assert model.threads[-1] == loop_thread and loop_thread not in model.threads[:-1]
 
 
 def test_no_request_runs_inline_while_anything_else_is_in_progress_in_the_process(pool):
