@@ -52,12 +52,6 @@ class ModelNotFoundError(ServiceError):
     status = 404
 
 
-class NotServedHereError(ServiceError):
-    """404: a port that serves nothing (Serve's proxy, when the ingress listens on the API's port itself)."""
-
-    status = 404
-
-
 class NotReadyError(ServiceError):
     """503: the model is loading, failed to load (the message says why), or the server is shutting down."""
 
