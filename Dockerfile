@@ -48,6 +48,8 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=igno
 # Ray's object store at most 1 GB (it would take 30 % of memory): requests and answers are kilobytes, and it stays in
 # /dev/shm when that has 2 GB (`--shm-size=2g`) instead of falling back to /tmp.
 ENV RAY_DEFAULT_OBJECT_STORE_MAX_MEMORY_BYTES=1000000000
+# On a cluster, Serve's proxy checks the default request limits before it reads a body (service/http/limits.py).
+ENV RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=service.http.limits:proxy_middlewares
 USER 0
 COPY --from=build /wheels/ /tmp/wheels/
 # The serving install (the wheel's dependencies: no torch, onnx or matplotlib) with one ONNX Runtime; wget for

@@ -27,6 +27,9 @@ class BodyTooLargeError(ServiceError):
 
     status = 413
 
+    def headers(self) -> dict[str, str]:
+        return {"Connection": "close"}  # the rest of the body is not read: it must not be parsed as a request
+
 
 class BodyTimeoutError(ServiceError):
     """408: the request body did not arrive within the configured time (a slow or stalled client)."""

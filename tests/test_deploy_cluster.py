@@ -24,6 +24,7 @@ import httpx
 import pytest
 import yaml
 
+from service.http.limits import PROXY_LIMITS_ENV
 from service.local.ports import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.serve]
@@ -110,6 +111,7 @@ class LocalCluster:
     def env(self) -> dict[str, str]:
         return {
             **os.environ,
+            **PROXY_LIMITS_ENV,  # as the image sets it
             "RAY_AUTH_MODE": "disabled",  # trusted local setup on 127.0.0.1 (Ray 2.60 defaults to token auth)
             "RAY_USAGE_STATS_ENABLED": "0",
             "RAY_health_check_period_ms": "1000",  # notice a killed node in seconds, not tens of seconds
@@ -289,7 +291,8 @@ def test_serve_config_deploys_on_two_nodes_places_by_resources_and_recovers_a_lo
     # the node comes back (a new pod): Serve places the replica there again and the same model answers the same
     cluster.start("gpu-node-2", cpus=gpu_node_cpus, gpus=gpu_node_gpus)
     again = wait_for(f"{GPU_MODEL} to answer again", lambda: answered(cluster, GPU_MODEL))
-    assert again["logits"] == first[GPU_MODEL]["logits"]
+    # alike to float32 rounding: a retried request may have shared a batch (another GEMM shape) with its predecessor
+    assert again["logits"][0] == pytest.approx(first[GPU_MODEL]["logits"][0], rel=1e-4, abs=1e-6)
     nodes = {n["node_id"]: n for n in cluster.alive_nodes()}
     new_gpu_nodes = {i for i, n in nodes.items() if n["resources_total"].get("GPU", 0) > 0}
     assert new_gpu_nodes and not (new_gpu_nodes & gpu_nodes), "the replacement node is a new Ray node"

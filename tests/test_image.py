@@ -27,6 +27,9 @@ def requirement_names(requirements: list[str]) -> set[str]:
     return {re.split(r"[\[<>=!~; ]", r, maxsplit=1)[0].lower() for r in requirements}
 
 
+FIRST_PARTY = ("contract", "export", "service", "loadtest")
+
+
 def third_party_imports(package: str) -> set[str]:
     """Top-level modules that a package's files import (at top level or inside functions), outside the stdlib."""
     names = set()
@@ -36,16 +39,17 @@ def third_party_imports(package: str) -> set[str]:
                 names |= {alias.name.split(".")[0] for alias in node.names}
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 names.add(node.module.split(".")[0])
-    return {n for n in names if n not in sys.stdlib_module_names and n not in ("export", "service", "loadtest")}
+    return {n for n in names if n not in sys.stdlib_module_names and n not in FIRST_PARTY}
 
 
-def test_the_serving_install_names_what_service_and_loadtest_import_and_no_export_or_plot_package():
+def test_the_serving_install_names_what_service_contract_and_loadtest_import_and_no_export_or_plot_package():
     dependencies = requirement_names(PYPROJECT["dependencies"])
     extras = {name: requirement_names(reqs) for name, reqs in PYPROJECT["optional-dependencies"].items()}
-    imported = {DISTRIBUTION.get(n, n) for n in third_party_imports("service") | third_party_imports("loadtest")}
+    serving = ("service", "contract", "loadtest")
+    imported = {DISTRIBUTION.get(n, n) for package in serving for n in third_party_imports(package)}
     optional = {"matplotlib": "plots", "locust": "test"}  # imported lazily, only by the plots and the locustfile
     missing = imported - dependencies - ORT - set(optional)
-    assert not missing, f"imported by service/ or loadtest/ but not in the dependencies: {sorted(missing)}"
+    assert not missing, f"imported by service/, contract/ or loadtest/ but not in the dependencies: {sorted(missing)}"
     assert not dependencies & {"torch", "onnx", "onnxscript", "matplotlib", "onnxruntime", "onnxruntime-gpu"}
     assert extras["cpu"] == {"onnxruntime"} and extras["gpu"] == {"onnxruntime-gpu"}
     assert extras["plots"] == {"matplotlib"}
@@ -100,18 +104,50 @@ def test_the_image_builds_runs_and_passes_every_check():
 
 
 def test_stop_grace_covers_the_drain_in_the_image_and_on_kubernetes():
-    """SIGTERM drains for limits.drain_s, then Ray stops (about 2-3 s): the README's run command and every pod give
+    """SIGTERM drains for limits.drain_s, then Ray stops (about 2-3 s): docs/deploy.md's run command and every pod give
     more than that before SIGKILL."""
     import yaml
 
     from service.config import RequestLimits
 
     needed_s = RequestLimits().drain_s + 3
-    readme = (ROOT / "README.md").read_text()
-    (stop_timeout,) = set(re.findall(r"docker run .*?--stop-timeout (\d+)", readme, flags=re.S))
+    deploy_doc = (ROOT / "docs" / "deploy.md").read_text()
+    (stop_timeout,) = set(re.findall(r"docker run .*?--stop-timeout (\d+)", deploy_doc, flags=re.S))
     assert int(stop_timeout) >= needed_s
     assert "STOPSIGNAL SIGTERM" in (ROOT / "Dockerfile").read_text()
     rayservice = yaml.safe_load((ROOT / "deploy" / "k8s" / "base" / "rayservice.yaml").read_text())
     cluster = rayservice["spec"]["rayClusterConfig"]
     for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
         assert group["template"]["spec"]["terminationGracePeriodSeconds"] >= needed_s
+
+
+def test_the_image_points_serves_proxy_hook_at_the_request_limits_middleware():
+    """On a cluster the image's environment is every Ray node's: Serve's proxy there takes the limits middleware."""
+    import importlib
+
+    from starlette.middleware import Middleware
+
+    from service.http.limits import PROXY_LIMITS_ENV, RequestLimitsMiddleware
+
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    set_there = dict(re.findall(r"^ENV (RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH)=(\S+)$", dockerfile, flags=re.M))
+    assert set_there == PROXY_LIMITS_ENV
+    module, _, function = set_there["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"].partition(":")
+    (middleware,) = getattr(importlib.import_module(module), function)()
+    assert isinstance(middleware, Middleware) and middleware.cls is RequestLimitsMiddleware
+
+
+def test_mha_proxy_limits_sets_the_proxys_limits_and_a_bad_value_names_the_field(monkeypatch):
+    import pydantic
+
+    from service.config import RequestLimits
+    from service.http.limits import PROXY_LIMITS_VAR, proxy_middlewares
+
+    (default,) = proxy_middlewares()
+    assert default.kwargs["limits"] == RequestLimits()
+    monkeypatch.setenv(PROXY_LIMITS_VAR, '{"max_body_bytes": 4194304}')
+    (raised,) = proxy_middlewares()
+    assert raised.kwargs["limits"] == RequestLimits(max_body_bytes=4194304)
+    monkeypatch.setenv(PROXY_LIMITS_VAR, '{"max_body_byte": 1}')
+    with pytest.raises(pydantic.ValidationError, match="max_body_byte"):
+        proxy_middlewares()

@@ -6,6 +6,7 @@ each test prints what it measured."""
 from __future__ import annotations
 
 import asyncio
+import http.client
 import ipaddress
 import itertools
 import json
@@ -383,6 +384,23 @@ def test_a_lone_request_run_inline_answers_as_a_batched_one_does_errors_included
     assert lone == beside
     assert [status for status, _, _ in lone] == [200, 200, 404, 400, 400, 400, 404, 200, 200, 400]
     assert {content_type for _, content_type, _ in lone} == {"application/json"}
+
+
+def test_an_error_answer_keeps_the_connection_for_the_next_request(server):
+    """4xx answers from a route (unknown model, bad JSON, a contract error) leave the keep-alive connection open."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    try:
+        answers, sockets = [], set()
+        for path, body in [("/v2/models/nope/infer", b"{}"), (PREDICT, b'{"text": '), (PREDICT, b'{"text": "ok"}')]:
+            conn.request("POST", path, body, {"Content-Type": "application/json"})
+            response = conn.getresponse()
+            response.read()
+            answers.append((response.status, response.getheader("connection")))
+            sockets.add(id(conn.sock))
+    finally:
+        conn.close()
+    assert answers == [(404, None), (400, None), (200, None)]
+    assert len(sockets) == 1 and None not in sockets
 
 
 def test_lone_requests_run_inline_are_counted_like_the_others_through_a_real_prometheus(server):

@@ -14,6 +14,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
 from service import attention_api, openapi
+from service.errors import ServiceError
 from service.http.limits import RequestLimitsMiddleware
 from service.protocol import simple, v2
 from service.responses import error_response, json_response
@@ -55,6 +56,9 @@ def _map_errors(app: FastAPI) -> None:
     async def http_error(_: Request, exc: HTTPException) -> Response:  # Starlette's 404 and 405
         return json_response({"error": str(exc.detail)}, exc.status_code, exc.headers)
 
+    # ServiceError's handler answers and the connection stays open; the one for any other Exception (a 500) runs in
+    # Starlette's outermost middleware, which answers, then re-raises: the server logs it and closes the connection.
+    app.add_exception_handler(ServiceError, mapped)
     app.add_exception_handler(Exception, mapped)
     app.add_exception_handler(RequestValidationError, invalid)
     app.add_exception_handler(HTTPException, http_error)

@@ -5,8 +5,10 @@ before any route runs, and the body read within its size and time limits. No tor
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Any
 
+from starlette.middleware import Middleware
 from starlette.requests import Request
 
 from service.config import RequestLimits
@@ -41,6 +43,21 @@ class RequestLimitsMiddleware:
         if scope["type"] == "http" and (refusal := over_limits(scope, self.limits)) is not None:
             return await error_response(refusal)(scope, receive, send)
         await self.app(scope, receive, send)
+
+
+# Serve's documented proxy hook: set where Ray starts (the image, the tests' cluster-like Ray), read by Serve's proxy.
+PROXY_LIMITS_ENV = {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "service.http.limits:proxy_middlewares"}
+
+
+PROXY_LIMITS_VAR = "MHA_PROXY_LIMITS"  # JSON of RequestLimits fields for Serve's proxy; the defaults otherwise
+
+
+def proxy_middlewares() -> list[Middleware]:
+    """Serve's proxy callback: on a cluster, where requests reach the ingress through Serve's proxy, the proxy
+    checks heads and announced bodies against the limits before it reads a body (uvicorn sends `100 Continue` only
+    once a body is read). The proxy serves every application: its limits are the defaults or MHA_PROXY_LIMITS."""
+    limits = RequestLimits.model_validate_json(os.environ.get(PROXY_LIMITS_VAR) or "{}")
+    return [Middleware(RequestLimitsMiddleware, limits=limits)]
 
 
 async def read_body(request: Request, limits: RequestLimits) -> bytes:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+from service.http.limits import PROXY_LIMITS_ENV
 from service.local.ports import is_loopback
 
 # Set with setdefault: the user's own values win.
@@ -24,6 +25,8 @@ LOCAL_RAY_ENV = {
     # No Ray started behind the launcher's back: a Serve long-poll client's late update during shutdown once called
     # ray.init() from Ray's callback thread, and shutdown waited on it until SIGKILL.
     "RAY_ENABLE_AUTO_CONNECT": "0",
+    # With --proxy: Serve's proxy checks the default request limits before it reads a body, as on a cluster.
+    **PROXY_LIMITS_ENV,
 }
 # With --access-log: Serve's logger writes each line to stderr too (which Ray forwards to the server's output) and at
 # once (the throughput-optimized mode buffers the request path's lines 1,000 at a time).
