@@ -83,8 +83,12 @@ def memory_kib(pid: int, field: str) -> int:
 class ServerProcess:
     """`with ServerProcess(config) as s:` runs `mha-serving serve --config <config>` on a free port."""
 
-    def __init__(self, config: dict, extra_args: list[str] | None = None, timeout_s: float = 180) -> None:
-        self.config, self.extra_args, self.timeout_s = config, extra_args or [], timeout_s
+    def __init__(
+        self, config: dict, extra_args: list[str] | None = None, timeout_s: float = 180, tree: Path | None = None
+    ) -> None:
+        """`tree`: another checkout of the project whose `service` package serves instead of this one (its path
+        first on every Ray process's sys.path), to compare two versions of the code in one run."""
+        self.config, self.extra_args, self.timeout_s, self.tree = config, extra_args or [], timeout_s, tree
         self.port, self.metrics_port = free_port(), free_port()
         self.ready_s = float("nan")
         self.stop_s = float("nan")
@@ -98,7 +102,13 @@ class ServerProcess:
         cmd += ["--metrics-port", str(self.metrics_port), *self.extra_args]
         start = time.perf_counter()
         log = open(Path(self._dir.name) / "serve.log", "w")
-        self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        env = None
+        if self.tree is not None:
+            path = [str(self.tree), *filter(None, [os.environ.get("PYTHONPATH")])]
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+        self._proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=self.tree, env=env
+        )
         try:
             self.wait_for_http(self.port, "/v2/health/ready", self.timeout_s, self._proc)
         except Exception:

@@ -244,10 +244,11 @@ def serve_config(models_dir: Path, names: list[str], placement: str, args) -> di
     return {"models_dir": str(models_dir), "models": names, "backend": "cpu", "deployment": deployment}
 
 
-def serve(models_dir: Path, names: dict[str, str], placement: str, args) -> ServerProcess:
-    """A `mha-serving serve` of these models (label -> name), as a user starts it (not yet entered)."""
+def serve(models_dir: Path, names: dict[str, str], placement: str, args, tree: Path | None = None) -> ServerProcess:
+    """A `mha-serving serve` of these models (label -> name), as a user starts it (not yet entered); `tree`: from
+    another checkout's code."""
     config = serve_config(models_dir, sorted(names.values()), placement, args)
-    return ServerProcess(config, extra_args=["--proxy"] if args.proxy else [])
+    return ServerProcess(config, extra_args=["--proxy"] if args.proxy else [], tree=tree)
 
 
 def started(server: ServerProcess, names: list[str]) -> dict:
@@ -319,6 +320,12 @@ def per_round(bare: dict, plain: dict | None, runs: dict[str, dict]) -> dict[str
         out["default_c32_over_batched_ort"] = paired(d, bare["default"], "rate", "best_rate", operator.truediv)
         out["small_c1_over_bare_ms"] = paired(s, bare["small"], "c1_p50_ms", "p50_ms", operator.sub)
         out["default_c1_over_bare_ms"] = paired(d, bare["default"], "c1_p50_ms", "p50_ms", operator.sub)
+    versus = runs.get("versus (colocated)")
+    if colocated is not None and versus is not None:
+        for label in ("small", "default"):
+            this, that = colocated[label], versus[label]
+            out[f"versus_{label}_c32_ratio"] = paired(this, that, "rate", "rate", operator.truediv)
+            out[f"versus_{label}_c1_ms"] = paired(this, that, "c1_p50_ms", "c1_p50_ms", operator.sub)
     alone, five = runs.get("serve (default model alone)"), runs.get("serve (five default models)")
     if alone is not None and five is not None:
         out["five_c1_p50_over_alone"] = paired(
@@ -361,6 +368,9 @@ def report(bare: dict, plain: dict | None, runs: dict[str, dict], figures: dict[
     print("\nratios (bar in brackets; the median of the rounds, each round's figure after it):")
     for key, values in figures.items():
         value = float(np.median(values))
+        if key not in BAR:  # --versus: this code against the other tree's, no bar
+            print(f"  {key:<32} {value:9.2f}  (this tree against --versus) {' '.join(f'{v:.2f}' for v in values)}")
+            continue
         sign = "<=" if key in AT_MOST else ">="
         ok = value <= BAR[key] if key in AT_MOST else value >= BAR[key]
         each = " ".join(f"{v:.2f}" for v in values) if len(values) > 1 else ""
@@ -382,6 +392,13 @@ def main(argv: list[str] | None = None) -> int:
         type=lambda v: set(v.split(",")),
         default={"plain", "colocated", "deployment", "five"},
         help="which servers to measure besides bare ORT (default: plain,colocated,deployment,five)",
+    )
+    p.add_argument(
+        "--versus",
+        type=Path,
+        metavar="TREE",
+        help="also serve colocated from another checkout (e.g. `git worktree add /tmp/before <commit>`), measured "
+        "in the same rounds: this code's c=1 p50 and c=32 rate against that one's",
     )
     p.add_argument("--json", type=Path, help="also write every figure here")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="set for the servers (levers)")
@@ -417,6 +434,12 @@ def main(argv: list[str] | None = None) -> int:
                 parts[f"serve {label}"] = served_sides(
                     colocated.port, name, args.concurrency, colocated, f"serve {label}"
                 )
+        if args.versus is not None and "colocated" in args.scenarios:
+            print(f"mha-serving serve from {args.versus}, placement colocated...", flush=True)
+            before = stack.enter_context(serve(args.models, names, "colocated", args, tree=args.versus))
+            runs["versus (colocated)"] = started(before, list(names.values()))
+            for label, name in names.items():
+                parts[f"versus {label}"] = served_sides(before.port, name, args.concurrency, before, f"versus {label}")
         if "plain" in args.scenarios:
             print("plain FastAPI + ORT...", flush=True)
             baseline = stack.enter_context(PlainServer(args.models, names["small"]))
@@ -424,15 +447,22 @@ def main(argv: list[str] | None = None) -> int:
                 baseline.port, names["small"], args.concurrency, baseline, "plain small"
             )
         if parts:
-            order = ("bare small", "serve small", "plain small", "bare default", "serve default")  # pairs adjacent
+            order = (  # the pairs compared adjacent
+                *("bare small", "serve small", "versus small", "plain small"),
+                *("bare default", "serve default", "versus default"),
+            )
             got = rounds(interleaved({k: parts[k] for k in order if k in parts}), args.rounds, args.seconds)
             plain = joined(got, "plain small") if "plain small" in parts else None
             if "colocated" in args.scenarios:
                 for label in names:
                     bare[label].update(joined(got, f"bare {label}"))
                     runs["serve (colocated)"][label] = joined(got, f"serve {label}")
+                    if f"versus {label}" in parts:
+                        runs["versus (colocated)"][label] = joined(got, f"versus {label}")
                 if args.profile:
-                    profiled(colocated, names, args, runs["serve (colocated)"], [baseline] if plain else [])
+                    others = [baseline] if plain else []
+                    others += [before] if "versus (colocated)" in runs else []
+                    profiled(colocated, names, args, runs["serve (colocated)"], others)
     if "deployment" in args.scenarios:
         print("mha-serving serve, placement deployment...", flush=True)
         with serve(args.models, names, "deployment", args) as server:
