@@ -241,7 +241,7 @@ def serve_config(models_dir: Path, names: list[str], placement: str, args) -> di
     for item in args.deployment:
         key, _, value = item.partition("=")
         deployment[key] = yaml.safe_load(value)
-    return {"models_dir": str(models_dir), "models": names, "backend": "cpu", "deployment": deployment}
+    return {"models_dir": str(models_dir.resolve()), "models": names, "backend": "cpu", "deployment": deployment}
 
 
 def serve(models_dir: Path, names: dict[str, str], placement: str, args, tree: Path | None = None) -> ServerProcess:

@@ -4,13 +4,16 @@ one mapping of errors to responses; request limits as middleware; the completed 
 
 from __future__ import annotations
 
-import inspect
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
+from fastapi.routing import APIRoute
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from service import attention_api, openapi
@@ -23,18 +26,14 @@ if TYPE_CHECKING:
     from service.ingress import Ingress
 
 REQUEST_BODIES = [v2.InferRequest, simple.PredictRequest, attention_api.AttentionRequest]
-INFER_DOCS = {
-    "openapi_extra": openapi.request_body(v2.InferRequest),
-    "responses": openapi.responses(v2.InferResponse, 404, 503, *openapi.WITH_BODY),
-}
-# FastAPI's own OpenTelemetry instrumentation (newer FastAPI) asks the global providers on every request whether it is
-# configured; the service's metrics go through Ray's Prometheus export instead.
-_NO_OTEL = {"telemetry": {"tracing": False, "metrics": False, "logs": False}}
+# FastAPI's own OpenTelemetry instrumentation asks the global providers on every request whether it is configured;
+# the service's metrics go through Ray's Prometheus export instead.
+NO_TELEMETRY = {"tracing": False, "metrics": False, "logs": False}
 
 
 def create_app(ingress: Ingress) -> FastAPI:
-    otel_off = _NO_OTEL if "telemetry" in inspect.signature(FastAPI.__init__).parameters else {}
-    app = FastAPI(title="mha-serving", description="Multi-head attention classifiers on ONNX Runtime.", **otel_off)
+    description = "Multi-head attention classifiers on ONNX Runtime."
+    app = FastAPI(title="mha-serving", description=description, telemetry=NO_TELEMETRY)
     app.add_middleware(RequestLimitsMiddleware, limits=ingress.limits)
     _map_errors(app)
     _inference_routes(app, ingress)  # first: the router tries routes in order
@@ -73,22 +72,72 @@ def describe_errors(errors: list) -> str:
     return "; ".join(problems)
 
 
-def _inference_routes(app: FastAPI, ingress: Ingress) -> None:
-    @app.post("/v2/models/{name}/infer", **INFER_DOCS)
-    async def infer(name: str, request: Request) -> Response:
-        return await ingress.infer(request, name)
+@dataclass(frozen=True)
+class InferenceRoute:
+    """An inference route: served as a plain Starlette route (its handler reads the path itself, so FastAPI solves
+    no parameters per request on the hottest path) and documented as a FastAPI route of the same path and name."""
 
-    @app.post("/v2/models/{name}/versions/{version}/infer", **INFER_DOCS)
-    async def infer_version(name: str, version: str, request: Request) -> Response:
-        return await ingress.infer(request, name, version)
+    name: str
+    path: str
+    handle: Callable[[Ingress, Request, dict[str, str]], Awaitable[Response]]
+    body: type[BaseModel]
+    answer: type[BaseModel]
 
-    @app.post(
+
+INFERENCE_ROUTES = (
+    InferenceRoute(
+        "infer",
+        "/v2/models/{name}/infer",
+        lambda ingress, request, path: ingress.infer(request, path["name"]),
+        v2.InferRequest,
+        v2.InferResponse,
+    ),
+    InferenceRoute(
+        "infer_version",
+        "/v2/models/{name}/versions/{version}/infer",
+        lambda ingress, request, path: ingress.infer(request, path["name"], path["version"]),
+        v2.InferRequest,
+        v2.InferResponse,
+    ),
+    InferenceRoute(
+        "predict",
         "/v1/models/{name}/predict",
-        openapi_extra=openapi.request_body(simple.PredictRequest),
-        responses=openapi.responses(simple.PredictResponse, 404, 503, *openapi.WITH_BODY),
-    )
-    async def predict(name: str, request: Request) -> Response:
-        return await ingress.predict(request, name)
+        lambda ingress, request, path: ingress.predict(request, path["name"]),
+        simple.PredictRequest,
+        simple.PredictResponse,
+    ),
+)
+
+
+def _inference_routes(app: FastAPI, ingress: Ingress) -> None:
+    for route in INFERENCE_ROUTES:
+
+        async def endpoint(request: Request, handle=route.handle) -> Response:
+            return await handle(ingress, request, request.path_params)
+
+        app.add_route(route.path, endpoint, methods=["POST"], name=route.name)
+
+
+# The path parameters of the inference routes, for their OpenAPI entries (no docstring: it would be the description).
+def _named(name: str) -> None: ...
+
+
+def _versioned(name: str, version: str) -> None: ...
+
+
+def _inference_docs() -> list[APIRoute]:
+    """INFERENCE_ROUTES as FastAPI documents routes: path parameters, request body, answer and errors."""
+    return [
+        APIRoute(
+            route.path,
+            _versioned if "{version}" in route.path else _named,
+            methods=["POST"],
+            name=route.name,
+            openapi_extra=openapi.request_body(route.body),
+            responses=openapi.responses(route.answer, 404, 503, *openapi.WITH_BODY),
+        )
+        for route in INFERENCE_ROUTES
+    ]
 
 
 def _v2_routes(app: FastAPI, ingress: Ingress) -> None:
@@ -143,7 +192,8 @@ def _v1_routes(app: FastAPI, ingress: Ingress) -> None:
 def _openapi(app: FastAPI, model_names: list[str]) -> dict[str, Any]:
     """FastAPI's document, completed (service/openapi.py) with the request bodies and the served model names."""
     if app.openapi_schema is None:
-        document = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        routes = [*_inference_docs(), *app.routes]
+        document = get_openapi(title=app.title, version=app.version, description=app.description, routes=routes)
         values = {"name": model_names, "version": [v2.MODEL_VERSION]}
         app.openapi_schema = openapi.completed(document, REQUEST_BODIES, values)
     return app.openapi_schema

@@ -82,6 +82,7 @@ class HttpServer:
             access_log=False,  # uvicorn's own access logger is reconfigured by Serve in a replica: AccessLog instead
             timeout_keep_alive=KEEP_ALIVE_S,
             server_header=False,
+            proxy_headers=False,  # it faces clients itself: no X-Forwarded-* rewriting of every request's scope
         )
         self._server = _ReplicaServer(config)
         self._socket = _listening_socket(host, port)
