@@ -163,9 +163,7 @@ class Ingress:
         async def work(status: ModelStatus | None) -> Response:
             self._check_version(name, version)
             model = self._model(name)  # 404 before the body is read
-            body = parse_body(
-                await read_body(request, self.limits), request.headers.get(BINARY_HEADER), v2.InferRequest
-            )
+            body = await self._body(request, v2.InferRequest)
             meta = _ready(name, status).metadata
             v2.requested_outputs(body)
             rows = v2.decode(body, meta, self.limits.max_rows)
@@ -180,8 +178,7 @@ class Ingress:
         async def work(status: ModelStatus | None) -> Response:
             start = time.perf_counter()
             model = self._model(name)  # 404 before the body is read
-            raw = await read_body(request, self.limits)
-            body = parse_body(raw, request.headers.get(BINARY_HEADER), simple.PredictRequest)
+            body = await self._body(request, simple.PredictRequest)
             status = _ready(name, status)
             rows = simple.decode(body, status.metadata, self.limits.max_rows)
             result = await model.infer(rows.ids, rows.mask, self._alone())
@@ -198,14 +195,17 @@ class Ingress:
     async def attention(self, request: Request, name: str) -> Response:
         async def work(status: ModelStatus | None) -> Response:
             model = self._model(name)  # 404 before the body is read
-            raw = await read_body(request, self.limits)
-            body = parse_body(raw, request.headers.get(BINARY_HEADER), attention_api.AttentionRequest)
+            body = await self._body(request, attention_api.AttentionRequest)
             meta = _ready(name, status or await self._status(name)).metadata
             ids, tokens = attention_api.decode(body, meta)
             result = await model.attention(ids)
             return json_response(attention_api.response(body, meta, tokens, result))
 
         return await self._measured("v1_attention", name, work)
+
+    async def _body(self, request: Request, model: type[BodyT]) -> BodyT:
+        """The request's body, read within the limits and parsed as `model`."""
+        return parse_body(await read_body(request, self.limits), request.headers.get(BINARY_HEADER), model)
 
     def _alone(self) -> bool:
         """Whether the inference request asking is the only request in progress in this replica, counting those

@@ -28,6 +28,14 @@ def body_too_large(size: int, limit: int) -> BodyTooLargeError:
     return BodyTooLargeError(f"request body of {size} bytes is over the limit of {limit} bytes")
 
 
+def head_too_large(limit: int) -> HeadersTooLargeError:
+    return HeadersTooLargeError(f"request headers are over the limit of {limit} bytes")
+
+
+def too_many_headers(limit: int) -> HeadersTooLargeError:
+    return HeadersTooLargeError(f"more than {limit} request headers")
+
+
 class CoalescedWrites:
     """A connection's transport, except that what is written within one event-loop turn goes out in one send:
     uvicorn writes a response's head and its body apart, two send syscalls where one does. Flushed when the
@@ -106,7 +114,7 @@ class HeadLimitedProtocol(HttpToolsProtocol):
         if self._in_head and self._refusal is None:
             self._arrived += len(data)
             if self._arrived > self.limits.max_header_bytes:
-                self._refusal = self._head_too_large()
+                self._refusal = head_too_large(self.limits.max_header_bytes)
                 self._refuse()
 
     def on_message_begin(self) -> None:
@@ -116,16 +124,16 @@ class HeadLimitedProtocol(HttpToolsProtocol):
     def on_url(self, url: bytes) -> None:
         self._head_bytes += len(url)
         if self._head_bytes > self.limits.max_header_bytes:
-            self._stop(self._head_too_large())
+            self._stop(head_too_large(self.limits.max_header_bytes))
         super().on_url(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         limits = self.limits
         if len(self.headers) >= limits.max_headers:
-            self._stop(HeadersTooLargeError(f"more than {limits.max_headers} request headers"))
+            self._stop(too_many_headers(limits.max_headers))
         self._head_bytes += len(name) + len(value) + 4  # "name: value\r\n"
         if self._head_bytes > limits.max_header_bytes:
-            self._stop(self._head_too_large())
+            self._stop(head_too_large(self.limits.max_header_bytes))
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
@@ -135,9 +143,6 @@ class HeadLimitedProtocol(HttpToolsProtocol):
             self._stop(body_too_large(int(length), self.limits.max_body_bytes))
         self.scope[HEAD_CHECKED] = True  # type: ignore[typeddict-unknown-key]
         super().on_headers_complete()
-
-    def _head_too_large(self) -> HeadersTooLargeError:
-        return HeadersTooLargeError(f"request headers are over the limit of {self.limits.max_header_bytes} bytes")
 
     def _stop(self, refusal: ServiceError) -> None:
         """Stop the parser (inside its callback); uvicorn then calls send_400_response, which answers `refusal`."""

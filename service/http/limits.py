@@ -12,8 +12,8 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 
 from service.config import RequestLimits
-from service.errors import BodyTimeoutError, HeadersTooLargeError, ServiceError
-from service.http.head_limits import HEAD_CHECKED, body_too_large
+from service.errors import BodyTimeoutError, ServiceError
+from service.http.head_limits import HEAD_CHECKED, body_too_large, head_too_large, too_many_headers
 from service.responses import error_response
 
 
@@ -24,9 +24,9 @@ def over_limits(scope: dict[str, Any], limits: RequestLimits) -> ServiceError | 
     headers = scope["headers"]
     if not scope.get(HEAD_CHECKED):
         if len(headers) > limits.max_headers:
-            return HeadersTooLargeError(f"more than {limits.max_headers} request headers")
+            return too_many_headers(limits.max_headers)
         if sum(len(k) + len(v) + 4 for k, v in headers) + len(scope.get("raw_path") or b"") > limits.max_header_bytes:
-            return HeadersTooLargeError(f"request headers are over the limit of {limits.max_header_bytes} bytes")
+            return head_too_large(limits.max_header_bytes)
     length = dict(headers).get(b"content-length")
     if length is not None and length.isdigit() and int(length) > limits.max_body_bytes:
         return body_too_large(int(length), limits.max_body_bytes)
