@@ -10,6 +10,8 @@ from dataclasses import asdict, dataclass, field, fields
 
 SCHEMA_VERSION = "1"
 TOKENIZER_KINDS = ("byte-v1", "ids")  # "ids": the model takes token ids only, no text
+# The numeric precision of a model's weights and arithmetic; inputs (int64) and logits (float32) never change.
+PRECISIONS = ("fp32", "int8", "fp16")
 
 # Fixed by the contract (architecture.md): inputs and output by name, dtype and rank.
 INPUT_IDS = "input_ids"
@@ -28,8 +30,11 @@ _OPTIONAL_KEYS = (  # have defaults; others are required
     "layer_heads",
     "removed_heads",
     "pruned_from",
+    "precision",
+    "quantized_from",
+    "quantization",
 )
-_JSON_KEYS = ("labels", "exporter", "layer_heads", "removed_heads")  # stored as JSON in metadata_props
+_JSON_KEYS = ("labels", "exporter", "layer_heads", "removed_heads", "quantization")  # stored as JSON in metadata_props
 
 
 class MetadataError(ValueError):
@@ -70,6 +75,9 @@ class ModelMetadata:
     layer_heads: tuple[int, ...] = ()  # heads per layer when they differ from `heads` (pruned); (): all have `heads`
     removed_heads: tuple[tuple[int, ...], ...] = ()  # per layer, the original indices of the heads pruned away
     pruned_from: str = ""  # the model this one was pruned from; "": not pruned
+    precision: str = "fp32"  # one of PRECISIONS
+    quantized_from: str = ""  # the fp32 model this int8 or fp16 one was made from; "": none (an fp32 export)
+    quantization: dict[str, object] = field(default_factory=dict)  # method, settings and the quality gate's figures
 
     def __post_init__(self) -> None:
         problems = []
@@ -83,6 +91,10 @@ class ModelMetadata:
             problems.append(f"tokenizer={self.tokenizer!r} is not one of {TOKENIZER_KINDS}")
         if not self.name or "/" in self.name or self.name.startswith("."):
             problems.append(f"name={self.name!r} is not a valid model name")
+        if self.precision not in PRECISIONS:
+            problems.append(f"precision={self.precision!r} is not one of {PRECISIONS}")
+        elif (self.precision == "fp32") == bool(self.quantized_from):
+            problems.append(f"precision={self.precision!r} with quantized_from={self.quantized_from!r}")
         problems += self._pruning_problems()
         if problems:
             raise MetadataError("inconsistent model metadata: " + "; ".join(problems))
@@ -124,6 +136,8 @@ class ModelMetadata:
             value = getattr(self, f.name)
             if f.name == "exporter":
                 props[f.name] = json.dumps(dict(value), sort_keys=True)
+            elif f.name == "quantization":
+                props[f.name] = json.dumps(value, sort_keys=True)
             elif f.name in _JSON_KEYS:
                 props[f.name] = json.dumps(_lists(value))
             else:
@@ -154,6 +168,11 @@ class ModelMetadata:
                     values[f.name] = tuple(labels)
                 elif f.name == "exporter":
                     values[f.name] = {str(k): str(v) for k, v in json.loads(raw).items()}
+                elif f.name == "quantization":
+                    record = json.loads(raw)
+                    if not isinstance(record, dict):
+                        raise ValueError("not a JSON object")
+                    values[f.name] = record
                 elif f.name == "layer_heads":
                     values[f.name] = _int_tuple(json.loads(raw))
                 elif f.name == "removed_heads":

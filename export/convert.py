@@ -6,7 +6,6 @@ import contextlib
 import io
 import json
 import logging
-import os
 import shutil
 import tempfile
 import time
@@ -28,10 +27,10 @@ from contract.metadata import (
     MODEL_FILE,
     ModelMetadata,
 )
-from export import fused_attention, parity
+from export import fused_attention, onnx_file, parity
+from export.staging import move_into_place
 
 DEFAULT_ONNX_OPSET = 20
-EXTERNAL_DATA_THRESHOLD = 1 << 30  # 1 GiB: larger models keep weights in model.onnx.data (protobuf caps at 2 GiB)
 TRACE_BATCH, TRACE_SEQ = 2, 8  # traced shape (seq capped at max_len); the gate checks other shapes
 _NOISY_LOGGERS = ("torch.onnx", "torch.export", "torch._dynamo", "torch.fx", "onnxscript")  # progress, torchvision
 
@@ -127,16 +126,8 @@ def _write_metadata(path: Path, meta: ModelMetadata, expected_outputs: list[str]
             f"outputs {outputs} (want {expected_outputs})"
         )
     meta = replace(meta, attention_kernel=fused_attention.kernel_of(model))
-    del model.metadata_props[:]
-    for key, value in meta.to_props().items():
-        model.metadata_props.add(key=key, value=value)
-    model.producer_name = "mha-serving"
-    for stale in path.parent.glob(path.name + ".*"):  # external data is appended to an existing file: start afresh
-        stale.unlink()
-    large = model.ByteSize() > EXTERNAL_DATA_THRESHOLD
-    onnx.save_model(model, str(path), save_as_external_data=large, location=path.name + ".data" if large else None)
     try:
-        onnx.checker.check_model(str(path), full_check=True)
+        onnx_file.save(model, meta, path)
     except onnx.checker.ValidationError as exc:
         raise ExportError(f"onnx.checker rejected {path.name}: {one_line(exc)}") from exc
     return meta
@@ -193,21 +184,3 @@ def export_model(
         raise
     file_bytes = sum(f.stat().st_size for f in target.iterdir() if f.name.startswith(MODEL_FILE))
     return ExportResult(meta.name, target, params, file_bytes, max_diff, time.perf_counter() - start, meta)
-
-
-def move_into_place(staging: Path, target: Path) -> None:
-    """Rename staging to target; an existing target is renamed aside first, so readers never see a partial folder."""
-    if not target.exists():
-        os.replace(staging, target)
-        return
-    old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old.", dir=target.parent))
-    try:
-        os.replace(target, old / target.name)
-        try:
-            os.replace(staging, target)
-        except BaseException:
-            os.replace(old / target.name, target)
-            raise
-    finally:
-        if target.exists():  # never delete the only copy of a model
-            shutil.rmtree(old, ignore_errors=True)

@@ -4,12 +4,11 @@ place only when everything is written, so a failure never leaves a half-written 
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-
-from export.convert import move_into_place
 
 
 @contextlib.contextmanager
@@ -25,3 +24,21 @@ def staged_folder(target: Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def move_into_place(staging: Path, target: Path) -> None:
+    """Rename staging to target; an existing target is renamed aside first, so readers never see a partial folder."""
+    if not target.exists():
+        os.replace(staging, target)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old.", dir=target.parent))
+    try:
+        os.replace(target, old / target.name)
+        try:
+            os.replace(staging, target)
+        except BaseException:
+            os.replace(old / target.name, target)
+            raise
+    finally:
+        if target.exists():  # never delete the only copy of a model
+            shutil.rmtree(old, ignore_errors=True)

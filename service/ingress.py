@@ -43,7 +43,13 @@ def describe(status: ModelStatus) -> dict[str, Any]:
     if status.metadata is not None:
         meta = status.metadata
         out.update(simple.head_config(meta))
-        out.update(max_len=meta.max_len, vocab_size=meta.vocab_size, labels=list(meta.labels), task=meta.task)
+        out.update(
+            quantized_from=meta.quantized_from,
+            max_len=meta.max_len,
+            vocab_size=meta.vocab_size,
+            labels=list(meta.labels),
+            task=meta.task,
+        )
         out.update(backend=status.backend, backend_reason=status.reason, threads=status.threads)
     else:
         out["error"] = status.reason

@@ -10,7 +10,7 @@ from ray.serve.metrics import Counter, Gauge, Histogram
 
 from contract.metadata import ModelMetadata
 
-MODEL_LABELS = ("model", "heads", "head_dim", "d_model", "backend")
+MODEL_LABELS = ("model", "heads", "head_dim", "d_model", "precision", "backend")
 UNKNOWN_MODEL = "_unknown"  # label for requests naming no served model: keeps label cardinality bounded
 # Ray drops a gauge value that was not set again within two metrics export intervals (10 s each by default), so
 # the ingress re-sets its gauges this often; a value set once would vanish from the scrape after ~20 s.
@@ -29,12 +29,13 @@ TOKEN_BUCKETS = [16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768
 def model_labels(meta: ModelMetadata | None, backend: str, name: str = UNKNOWN_MODEL) -> dict[str, str]:
     """The head configuration labels of one model (empty strings where the model is unknown or not loaded)."""
     if meta is None:
-        return {"model": name, "heads": "", "head_dim": "", "d_model": "", "backend": backend}
+        return {"model": name, "heads": "", "head_dim": "", "d_model": "", "precision": "", "backend": backend}
     return {
         "model": meta.name,
         "heads": meta.heads_label,  # "8"; a pruned model whose layers differ: per layer, "8,6,4,5"
         "head_dim": str(meta.head_dim),
         "d_model": str(meta.d_model),
+        "precision": meta.precision,
         "backend": backend,
     }
 

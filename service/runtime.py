@@ -93,6 +93,15 @@ class Runtime:
         return logits
 
 
+def fp16_on_cpu(meta: ModelMetadata, reason: str) -> str:
+    """Why an fp16 model is refused on the CPU, and the fix."""
+    return (
+        f"model {meta.name!r} is fp16, which is served on the GPU only (ORT's CPU kernels would convert it back to "
+        f"fp32 around every operator: slower than the fp32 model; {reason}): serve it with backend gpu on a machine "
+        f"with a GPU, or serve {meta.quantized_from!r} or its int8 variant on the CPU"
+    )
+
+
 def preload_cuda_libraries() -> None:
     """Load CUDA/cuDNN from the nvidia-* pip packages (`onnxruntime-gpu[cuda,cudnn]`) if they are installed.
 
@@ -125,4 +134,6 @@ def load_runtime(models_dir: str | Path, name: str, backend: str, threads: int, 
         reason = f"auto chose CPU: {why}"
     props = dict(session.get_modelmeta().custom_metadata_map)
     meta = check_contract(name, props, session.get_inputs(), session.get_outputs())
+    if meta.precision == "fp16" and active != CUDA:
+        raise BackendError(fp16_on_cpu(meta, reason))
     return Runtime(session, meta, BACKEND_NAMES.get(active, active), reason, threads)

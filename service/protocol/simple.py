@@ -44,6 +44,7 @@ class HeadConfig(BaseModel):
     d_model: int
     layers: int
     layer_heads: list[int]  # heads per layer
+    precision: str  # fp32, int8 or fp16
 
 
 class Timing(BaseModel):
@@ -77,6 +78,8 @@ class ModelInfo(BaseModel):
     d_model: int | None = None
     layers: int | None = None
     layer_heads: list[int] | None = None
+    precision: str | None = None
+    quantized_from: str | None = None
     max_len: int | None = None
     vocab_size: int | None = None
     labels: list[str] | None = None
@@ -117,7 +120,7 @@ def softmax(logits: np.ndarray) -> np.ndarray:
 
 def head_config(meta: ModelMetadata) -> dict[str, Any]:
     config = {"heads": meta.heads, "head_dim": meta.head_dim, "d_model": meta.d_model, "layers": meta.layers}
-    return {**config, "layer_heads": list(meta.heads_per_layer)}
+    return {**config, "layer_heads": list(meta.heads_per_layer), "precision": meta.precision}
 
 
 def predict_response(

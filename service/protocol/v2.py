@@ -183,6 +183,7 @@ def model_metadata(meta: ModelMetadata) -> dict[str, Any]:
             "head_dim": meta.head_dim,
             "d_model": meta.d_model,
             "layers": meta.layers,
+            "precision": meta.precision,
             "max_len": meta.max_len,
             "vocab_size": meta.vocab_size,
             "labels": list(meta.labels),
