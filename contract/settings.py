@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 DEFAULT_HEADS = (1, 2, 4, 8, 16)  # the seed's "typical" set at d_model 512
+EXPORT_PRECISIONS = ("fp32", "int8", "fp16")  # contract.metadata.PRECISIONS; fp32 is always exported (the source)
 _INT = re.compile(r"[+-]?\d+")
 
 
@@ -37,6 +38,7 @@ class ExportSettings:
     atol: float = 1e-4
     model: str | None = None  # package.module:factory (export/user_model.py)
     name_prefix: str = "mha"
+    precision: tuple[str, ...] = ("fp32",)  # int8 / fp16 variants made from each fp32 export, behind their gate
 
     def class_labels(self) -> tuple[int, tuple[str, ...] | None]:
         """(num_classes, labels) with the defaults filled in; labels None means "the config's default labels"."""
@@ -71,6 +73,15 @@ def parse_heads(value: object) -> tuple[int, ...]:
     return tuple(heads)
 
 
+def parse_precisions(value: object) -> tuple[str, ...]:
+    """'fp32,int8' or [fp32, int8] -> ("fp32", "int8"), fp32 first and always there (the variants are made from it)."""
+    items = value.split(",") if isinstance(value, str) else value if isinstance(value, list) else None
+    names = [x.strip() for x in items if isinstance(x, str)] if items is not None else []
+    if items is None or len(names) != len(items) or not names or any(n not in EXPORT_PRECISIONS for n in names):
+        raise UsageError(f"precision must be a comma-separated list of {', '.join(EXPORT_PRECISIONS)}; got {value!r}")
+    return ("fp32", *sorted(set(names) - {"fp32"}, key=EXPORT_PRECISIONS.index))
+
+
 def _parse_labels(value: object) -> tuple[str, ...]:
     items = value.split(",") if isinstance(value, str) else value
     if not isinstance(items, list | tuple) or not all(isinstance(x, str) and x.strip() for x in items) or not items:
@@ -87,6 +98,8 @@ def _check_value(key: str, value: object) -> object:
         return parse_heads(value)
     if key == "labels":
         return _parse_labels(value)
+    if key == "precision":
+        return parse_precisions(value)
     if key in _INT_KEYS or key == "seed":
         if isinstance(value, bool) or not isinstance(value, int) or (key != "seed" and value < 1):
             raise UsageError(f"{key} must be an integer{'' if key == 'seed' else ' >= 1'}, got {value!r}")

@@ -58,6 +58,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", metavar="N", type=int, help="torch seed set before each model is built (default: 0)")
     p.add_argument("--force", action="store_true", help="replace model folders that exist (default: skip them)")
     p.add_argument("--attention", action="store_true", help="also export model.attn.onnx with per-head weights")
+    p.add_argument(
+        "--precision",
+        metavar="LIST",
+        help="comma-separated fp32,int8,fp16: variants made from each fp32 export after their gate (default: fp32)",
+    )
     p.add_argument("--atol", metavar="X", type=float, help="parity gate tolerance, max abs difference (default: 1e-4)")
     p.add_argument(
         "--model",
@@ -152,20 +157,38 @@ def _run(settings: ExportSettings, factory, jobs: list[Job]) -> list:
             label = meta.name
             if (settings.out / meta.name).exists() and not settings.force:
                 print(f"{step} {meta.name}: exists in {settings.out}, skipped (--force replaces it)", flush=True)
-                continue
-            print(f"{step} {meta.name}: exporting ({_describe(meta, model, variant)}) ...", flush=True)
-            result = export_model(model, meta, settings.out, attention_variant=variant, atol=settings.atol)
+            else:
+                print(f"{step} {meta.name}: exporting ({_describe(meta, model, variant)}) ...", flush=True)
+                result = export_model(model, meta, settings.out, attention_variant=variant, atol=settings.atol)
+                result = replace(result, seconds=time.perf_counter() - start)  # building the model included
+                print(
+                    f"{step} {meta.name}: passed the parity gate (max diff {result.max_diff:.2g}), "
+                    f"{_size(result.file_bytes)}, {result.seconds:.1f} s",
+                    flush=True,
+                )
+                results.append(result)
+            _variants(step, settings, meta.name)
         except Exception as exc:
             message = _message(exc)
             raise _Failed(message if label in message else f"{label}: {message}") from exc
-        result = replace(result, seconds=time.perf_counter() - start)  # building the model included
+    return results
+
+
+def _variants(step: str, settings: ExportSettings, name: str) -> None:
+    """The int8 / fp16 variants asked for by --precision, made from the fp32 folder `name`."""
+    from export.quantize import make_variant, variant_name
+
+    for precision in settings.precision[1:]:
+        target = settings.out / variant_name(name, precision)
+        if target.exists() and not settings.force:
+            print(f"{step} {target.name}: exists in {settings.out}, skipped (--force replaces it)", flush=True)
+            continue
+        variant = make_variant(settings.out / name, precision)
         print(
-            f"{step} {meta.name}: passed the parity gate (max diff {result.max_diff:.2g}), "
-            f"{_size(result.file_bytes)}, {result.seconds:.1f} s",
+            f"{step} {variant.name}: passed the quality gate ({variant.gate.summary()}), "
+            f"{_size(variant.file_bytes)}, {variant.seconds:.1f} s",
             flush=True,
         )
-        results.append(result)
-    return results
 
 
 def _describe(meta, model, variant) -> str:
@@ -184,9 +207,10 @@ def _message(exc: Exception) -> str:
     from contract.metadata import MetadataError
     from export.convert import ExportError, one_line
     from export.parity import ParityError
+    from export.quantize import QuantizeError
     from export.user_model import FactoryError
 
-    if isinstance(exc, ExportError | ParityError | FactoryError | MetadataError):
+    if isinstance(exc, ExportError | ParityError | FactoryError | MetadataError | QuantizeError):
         return str(exc).splitlines()[0]
     return one_line(exc)
 
