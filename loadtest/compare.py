@@ -19,6 +19,7 @@ class Comparison:
 
     model: str
     heads: int
+    precision: str
     level: str
     values: dict[str, tuple[float, float, float]]  # metric -> (A, B, B / A)
 
@@ -47,7 +48,7 @@ def compare(a: list[LevelResult], b: list[LevelResult]) -> tuple[list[Comparison
         for metric in METRICS:
             va, vb = _value(ra, metric), _value(rb, metric)
             values[metric] = (va, vb, ratio(va, vb))
-        rows.append(Comparison(ra.model, ra.heads, ra.level, values))
+        rows.append(Comparison(ra.model, ra.heads, ra.precision, ra.level, values))
     only = [f"only in A: {m} {lv}" for m, lv in keys_a - index_b.keys()]
     only += [f"only in B: {m} {lv}" for m, lv in index_b.keys() - keys_a]
     return rows, sorted(only)
@@ -59,13 +60,13 @@ def _fmt(x: float, digits: int = 2) -> str:
 
 def markdown(rows: list[Comparison], only: list[str], label_a: str, label_b: str) -> str:
     lines = ["# Load test comparison", "", f"- A: {label_a}", f"- B: {label_b}", "- ratio: B / A", ""]
-    headers = ["model", "h", "level"]
+    headers = ["model", "h", "precision", "level"]
     for metric in METRICS:
         name = "req/s" if metric == "throughput_rps" else f"{metric} ms"
         headers += [f"A {name}", f"B {name}", f"{metric} B/A"]
     lines += ["| " + " | ".join(headers) + " |", "|" + " --- |" * len(headers)]
     for row in rows:
-        cells = [row.model, str(row.heads), row.level]
+        cells = [row.model, str(row.heads), row.precision, row.level]
         for metric in METRICS:
             a, b, r = row.values[metric]
             cells += [_fmt(a, 1), _fmt(b, 1), _fmt(r)]
@@ -90,6 +91,9 @@ def run_compare(path_a: Path, path_b: Path, out_dir: Path | None) -> str:
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "compare.md").write_text(text, encoding="utf-8")
-        data = [{"model": r.model, "heads": r.heads, "level": r.level, "values": _json_values(r)} for r in rows]
+        data = [
+            {"model": r.model, "heads": r.heads, "precision": r.precision, "level": r.level, "values": _json_values(r)}
+            for r in rows
+        ]
         (out_dir / "compare.json").write_text(json.dumps({"rows": data, "unmatched": only}, indent=2) + "\n")
     return text

@@ -9,6 +9,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from loadtest.stats import DEFAULT_PRECISION, precision_rank
+
 _HEAD_KEYS = ("heads", "head_dim", "d_model", "layers", "max_len")
 
 
@@ -22,7 +24,7 @@ class RemoteURLError(ValueError):
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """One served model as the service describes it: its head configuration, backend and readiness."""
+    """One served model as the service describes it: its head configuration, precision, backend and readiness."""
 
     name: str
     heads: int
@@ -32,6 +34,8 @@ class ModelInfo:
     max_len: int
     backend: str = ""
     ready: bool = True
+    precision: str = DEFAULT_PRECISION
+    quantized_from: str = ""  # an int8 or fp16 variant's fp32 source model, e.g. mha-h8-d512
 
     def to_json(self) -> dict[str, object]:
         return asdict(self)
@@ -68,15 +72,29 @@ def _get_json(client: httpx.Client, url: str) -> object:
         raise DiscoveryError(f"GET {url} did not answer JSON: {response.text[:200]!r}") from None
 
 
+def _sources(entry: dict) -> list[dict]:
+    """Where an entry's settings may be: top level, `config`, `metadata`, or v2 metadata's `parameters`."""
+    nested = (entry.get(key) for key in ("config", "metadata", "parameters"))
+    return [entry, *(source for source in nested if isinstance(source, dict))]
+
+
 def _as_int(entry: dict, key: str, name: str) -> int:
-    for source in (entry, entry.get("config") or {}, entry.get("metadata") or {}):
-        if isinstance(source, dict) and isinstance(source.get(key), int):
+    for source in _sources(entry):
+        if isinstance(source.get(key), int):
             return source[key]
     raise DiscoveryError(f"model {name!r} in the service's listing has no integer {key!r}: {entry}")
 
 
+def _as_str(entry: dict, key: str, default: str) -> str:
+    for source in _sources(entry):
+        if isinstance(source.get(key), str) and source[key]:
+            return source[key]
+    return default
+
+
 def parse_model(entry: object) -> ModelInfo:
-    """A ModelInfo from one `/v1/models` entry (head configuration at top level or under `config`)."""
+    """A ModelInfo from one `/v1/models` entry (head configuration at top level or under `config`); an entry
+    without a precision (a server from before quantized variants) is fp32."""
     if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
         raise DiscoveryError(f"a model in the service's listing has no name: {entry!r}")
     name = entry["name"]
@@ -85,7 +103,10 @@ def parse_model(entry: object) -> ModelInfo:
     if not ready and not all(key in entry for key in _HEAD_KEYS):
         return ModelInfo(name, 0, 0, 0, 0, 0, ready=False)  # a model still loading: configuration not known yet
     values = {key: _as_int(entry, key, name) for key in _HEAD_KEYS}
-    return ModelInfo(name=name, backend=str(entry.get("backend", "")), ready=ready, **values)
+    precision = _as_str(entry, "precision", DEFAULT_PRECISION)
+    quantized_from = _as_str(entry, "quantized_from", "")
+    backend = str(entry.get("backend", ""))
+    return ModelInfo(name, **values, backend=backend, ready=ready, precision=precision, quantized_from=quantized_from)
 
 
 def _listing_entries(listing: object) -> list:
@@ -115,9 +136,10 @@ def discover(client: httpx.Client, base_url: str) -> list[ModelInfo]:
 
 
 def select_models(models: list[ModelInfo], spec: str) -> list[ModelInfo]:
-    """`all` or a comma-separated list of names, in the order asked; DiscoveryError names unknown ones."""
+    """`all` (by d_model, h, then precision: each int8 variant right after its fp32 source) or a comma-separated
+    list of names, in the order asked; DiscoveryError names unknown ones."""
     if spec.strip() == "all":
-        return sorted(models, key=lambda m: (m.d_model, m.heads, m.name))
+        return sorted(models, key=lambda m: (m.d_model, m.heads, precision_rank(m.precision), m.name))
     by_name = {m.name: m for m in models}
     wanted = [n.strip() for n in spec.split(",") if n.strip()]
     unknown = [n for n in wanted if n not in by_name]

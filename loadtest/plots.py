@@ -1,4 +1,7 @@
-"""The report's PNG plots (matplotlib, Agg): latency versus h, throughput versus concurrency, latency-throughput."""
+"""The report's PNG plots (matplotlib, Agg): latency versus h, throughput versus concurrency, latency-throughput.
+
+Models of the same h at different precisions (an fp32 model and its int8 variant) are separate lines throughout.
+"""
 
 from __future__ import annotations
 
@@ -9,21 +12,35 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from loadtest.stats import LevelResult
+from loadtest.stats import LevelResult, precision_rank
 
 
 def _measured(results: list[LevelResult]) -> list[LevelResult]:
     return [r for r in results if r.latency_ms]
 
 
-def _series_name(r: LevelResult) -> str:
-    return f"h={r.heads} ({r.model})"
+def series_name(r: LevelResult) -> str:
+    return f"h={r.heads} {r.precision} ({r.model})"
+
+
+def series(results: list[LevelResult]) -> dict[str, list[LevelResult]]:
+    """One series per model, named by its h and precision, ordered by h and then precision (fp32 first)."""
+    out: dict[str, list[LevelResult]] = {}
+    for r in sorted(results, key=lambda r: (*r.group_key, r.model)):
+        out.setdefault(series_name(r), []).append(r)
+    return out
+
+
+def precisions(results: list[LevelResult]) -> list[str]:
+    """The precisions measured, fp32 first."""
+    return sorted({r.precision for r in results}, key=lambda p: (precision_rank(p), p))
 
 
 def latency_vs_heads(results: list[LevelResult], path: Path) -> bool:
-    """One panel per load level: p50/p90/p99 against the number of heads."""
+    """One panel per load level: p50/p90/p99 against the number of heads, a line per percentile and precision."""
     measured = _measured(results)
     levels = list(dict.fromkeys(r.level for r in measured))
+    kinds = precisions(measured)
     if not levels:
         return False
     cols = min(len(levels), 4)
@@ -32,10 +49,13 @@ def latency_vs_heads(results: list[LevelResult], path: Path) -> bool:
     for ax in axes.flat[len(levels) :]:
         ax.set_visible(False)
     for ax, level in zip(axes.flat, levels, strict=False):
-        rows = sorted((r for r in measured if r.level == level), key=lambda r: (r.heads, r.model))
-        heads = [r.heads for r in rows]
-        for key, style in (("p50", "o-"), ("p90", "s--"), ("p99", "^:")):
-            ax.plot(heads, [r.latency_ms[key] for r in rows], style, label=key)
+        at_level = [r for r in measured if r.level == level]
+        heads = [r.heads for r in at_level]
+        for k, precision in enumerate(kinds):
+            rows = sorted((r for r in at_level if r.precision == precision), key=lambda r: (r.heads, r.model))
+            for i, (key, style) in enumerate((("p50", "o-"), ("p90", "s--"), ("p99", "^:"))):
+                x, y = [r.heads for r in rows], [r.latency_ms[key] for r in rows]
+                ax.plot(x, y, style, color=f"C{(3 * k + i) % 10}", label=f"{key} {precision}")
         ax.set_xscale("log", base=2)
         ax.set_xticks(sorted(set(heads)), [str(h) for h in sorted(set(heads))])
         ax.set_yscale("log")
@@ -45,7 +65,7 @@ def latency_vs_heads(results: list[LevelResult], path: Path) -> bool:
     for row in axes:
         row[0].set_ylabel("client latency (ms)")
     axes[0][0].legend()
-    fig.suptitle("Latency percentiles versus h")
+    fig.suptitle("Latency percentiles versus h, per precision")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -53,20 +73,20 @@ def latency_vs_heads(results: list[LevelResult], path: Path) -> bool:
 
 
 def throughput_vs_concurrency(results: list[LevelResult], path: Path) -> bool:
-    """Closed-loop throughput against concurrency, one line per head configuration."""
+    """Closed-loop throughput against concurrency, one line per head configuration and precision."""
     closed = [r for r in _measured(results) if r.mode == "closed"]
     if not closed:
         return False
     fig, ax = plt.subplots(figsize=(6, 4))
-    for name in dict.fromkeys(_series_name(r) for r in sorted(closed, key=lambda r: r.heads)):
-        rows = sorted((r for r in closed if _series_name(r) == name), key=lambda r: r.concurrency)
+    for name, in_series in series(closed).items():
+        rows = sorted(in_series, key=lambda r: r.concurrency)
         ax.plot([r.concurrency for r in rows], [r.throughput_rps for r in rows], "o-", label=name)
     ax.set_xscale("log", base=2)
     levels = sorted({r.concurrency for r in closed})
     ax.set_xticks(levels, [str(c) for c in levels])
     ax.set_xlabel("concurrency (closed loop)")
     ax.set_ylabel("throughput (requests/s)")
-    ax.set_title("Throughput versus concurrency per h")
+    ax.set_title("Throughput versus concurrency per h and precision")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -76,16 +96,17 @@ def throughput_vs_concurrency(results: list[LevelResult], path: Path) -> bool:
 
 
 def latency_throughput(results: list[LevelResult], path: Path) -> bool:
-    """p50 and p99 against achieved throughput per h: closed-loop levels by concurrency, open-loop levels by rate."""
+    """p50 and p99 against achieved throughput per h and precision: closed-loop levels by concurrency, open-loop
+    levels by rate."""
     measured = _measured(results)
     if not measured:
         return False
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharex=True)
-    names = list(dict.fromkeys(_series_name(r) for r in sorted(measured, key=lambda r: r.heads)))
+    by_series = series(measured)
     for ax, key in zip(axes, ("p50", "p99"), strict=True):
-        for i, name in enumerate(names):
+        for i, (name, in_series) in enumerate(by_series.items()):
             for mode, style in (("closed", "o-"), ("open", "s:")):
-                rows = [r for r in measured if _series_name(r) == name and r.mode == mode]
+                rows = [r for r in in_series if r.mode == mode]
                 rows.sort(key=lambda r: (r.concurrency, r.offered_rate))
                 if rows:
                     x, y = [r.throughput_rps for r in rows], [r.latency_ms[key] for r in rows]
@@ -94,7 +115,7 @@ def latency_throughput(results: list[LevelResult], path: Path) -> bool:
         ax.set_ylabel(f"client {key} latency (ms)")
         ax.grid(True, alpha=0.3)
     axes[0].legend(fontsize=7)
-    fig.suptitle("Latency versus throughput per h")
+    fig.suptitle("Latency versus throughput per h and precision")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -12,10 +12,11 @@ from loadtest.stats import LevelResult
 REPORT_VERSION = 1
 LATENCY_KEYS = ("p50", "p90", "p95", "p99", "max", "mean")
 SERVER_KEYS = ("count", "p50", "p90", "p95", "p99")
+# precision right after the head configuration, in the order of the service's metric labels (service/metrics.py)
 CSV_COLUMNS = (
-    ["model", "heads", "head_dim", "d_model", "mode", "level", "concurrency", "offered_rate", "achieved_rate"]
-    + ["batch_size", "duration_s", "sent", "ok", "errors_total", "errors", "dropped", "throughput_rps"]
-    + ["sequences_per_s"]
+    ["model", "heads", "head_dim", "d_model", "precision", "mode", "level", "concurrency", "offered_rate"]
+    + ["achieved_rate", "batch_size", "duration_s", "sent", "ok", "errors_total", "errors", "dropped"]
+    + ["throughput_rps", "sequences_per_s"]
     + [f"{k}_ms" for k in LATENCY_KEYS]
     + ["send_lag_p99_ms", "client_cpu_pct", "stopped_by"]
     + [f"server_{k}" + ("" if k == "count" else "_ms") for k in SERVER_KEYS]
@@ -32,7 +33,7 @@ def build_report(meta: dict[str, object], results: list[LevelResult], notes: lis
 
 
 def csv_row(r: LevelResult) -> dict[str, object]:
-    row: dict[str, object] = {k: getattr(r, k) for k in ("model", "heads", "head_dim", "d_model", "mode")}
+    row: dict[str, object] = {k: getattr(r, k) for k in ("model", "heads", "head_dim", "d_model", "precision", "mode")}
     row |= {"level": r.level, "concurrency": r.concurrency, "offered_rate": r.offered_rate}
     row |= {"achieved_rate": round(r.achieved_rate, 3), "batch_size": r.batch_size, "duration_s": r.duration_s}
     row |= {"sent": r.sent, "ok": r.ok, "errors_total": sum(r.errors.values()), "dropped": r.dropped}
@@ -57,7 +58,7 @@ def _table(headers: list[str], rows: list[list[object]]) -> list[str]:
 
 def level_rows(results: list[LevelResult], with_server: bool) -> tuple[list[str], list[list[object]]]:
     """The main table: one row per model and level, client-side (and server-side) latency side by side."""
-    headers = ["model", "h", "head_dim", "level", "ok", "errors", "req/s", "seq/s"]
+    headers = ["model", "h", "precision", "head_dim", "level", "ok", "errors", "req/s", "seq/s"]
     headers += ["p50 ms", "p90 ms", "p95 ms", "p99 ms", "max ms", "client CPU %"]
     if any(r.mode == "open" for r in results):
         headers += ["offered/s", "achieved/s", "dropped"]
@@ -66,7 +67,7 @@ def level_rows(results: list[LevelResult], with_server: bool) -> tuple[list[str]
     rows = []
     for r in results:
         lat = r.latency_ms
-        row: list[object] = [r.model, r.heads, r.head_dim, r.level, r.ok, sum(r.errors.values())]
+        row: list[object] = [r.model, r.heads, r.precision, r.head_dim, r.level, r.ok, sum(r.errors.values())]
         row += [r.throughput_rps, r.sequences_per_s] + [lat.get(k, "") for k in ("p50", "p90", "p95", "p99", "max")]
         row.append(r.client_cpu_pct)
         if "offered/s" in headers:

@@ -126,6 +126,7 @@ class Recorder:
             heads=m.heads,
             head_dim=m.head_dim,
             d_model=m.d_model,
+            precision=m.precision,
             mode=level.mode,
             concurrency=int(level.value) if level.mode == "closed" else 0,
             offered_rate=level.value if level.mode == "open" else 0.0,

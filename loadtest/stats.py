@@ -6,6 +6,14 @@ import math
 from dataclasses import asdict, dataclass, field
 
 PERCENTILES = (50, 90, 95, 99)
+# A model listing or report without a precision comes from before the service served quantized variants: fp32.
+DEFAULT_PRECISION = "fp32"
+PRECISION_ORDER = ("fp32", "fp16", "int8")  # the source model first, then its narrower variants
+
+
+def precision_rank(precision: str) -> int:
+    """Where a precision sorts among models of the same h: fp32, fp16, int8, then any other."""
+    return PRECISION_ORDER.index(precision) if precision in PRECISION_ORDER else len(PRECISION_ORDER)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -48,6 +56,12 @@ class LevelResult:
     warmup_sent: int = 0  # requests of the warm-up before this level (not in any other number here)
     warmup_ok: int = 0
     server: dict[str, object] = field(default_factory=dict)  # server-side percentiles, or a note why not
+    precision: str = DEFAULT_PRECISION  # fp32 | int8 | fp16 (last, with a default: older reports have none)
+
+    @property
+    def group_key(self) -> tuple[int, int, str]:
+        """How results are grouped and sorted for comparison: by h, then by precision (fp32 first)."""
+        return self.heads, precision_rank(self.precision), self.precision
 
     @property
     def level(self) -> str:

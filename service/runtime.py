@@ -134,6 +134,6 @@ def load_runtime(models_dir: str | Path, name: str, backend: str, threads: int, 
         reason = f"auto chose CPU: {why}"
     props = dict(session.get_modelmeta().custom_metadata_map)
     meta = check_contract(name, props, session.get_inputs(), session.get_outputs())
-    if meta.precision == "fp16" and active != CUDA:
-        raise BackendError(fp16_on_cpu(meta, reason))
+    if meta.precision == "fp16" and active != CUDA:  # this model cannot serve here; the others still do
+        raise ModelFileError(fp16_on_cpu(meta, reason))
     return Runtime(session, meta, BACKEND_NAMES.get(active, active), reason, threads)

@@ -1,11 +1,13 @@
 """Kubernetes manifests and the Dockerfile, checked offline: strict schemas (unknown fields rejected), kustomize
-builds, exposure and placement rules, alert rules against promtool and the service's metric names, hadolint.
+builds, exposure and placement rules, alert rules against promtool and the service's metric names, the rules' and
+the Grafana dashboard's grouping by heads and precision, hadolint.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import json
 import re
 import shutil
 import subprocess
@@ -300,6 +302,39 @@ def test_rules_name_only_metrics_the_service_defines():
     labels |= set(re.findall(r"[{,]\s*([a-z_]+)\s*[=!]~?", exprs))
     strings = set(re.findall(r"[\"']([a-z_]+)[\"']", source))
     assert labels - {"le"} <= strings, f"labels the service does not set: {sorted(labels - {'le'} - strings)}"
+
+
+def by_groups(expr: str) -> list[set[str]]:
+    """The label sets of every `by (...)` in a PromQL expression."""
+    return [{x.strip() for x in group.split(",")} for group in re.findall(r"by \(([^)]*)\)", expr)]
+
+
+def test_recording_rules_keep_precision_wherever_they_keep_heads():
+    (rule,) = of_kind(base_docs(), "PrometheusRule")
+    records = [r for g in rule["spec"]["groups"] for r in g["rules"] if "record" in r]
+    with_heads = [labels for r in records for labels in by_groups(str(r["expr"])) if "heads" in labels]
+    assert with_heads, "no recording rule aggregates by heads"
+    assert all("precision" in labels for labels in with_heads), with_heads
+
+
+# ---- Grafana dashboard ----
+DASHBOARD = ROOT / "deploy" / "grafana" / "mha-serving.json"
+
+
+def test_dashboard_panels_split_by_precision_wherever_they_split_by_heads_or_model():
+    dashboard = json.loads(DASHBOARD.read_text())
+    targets = [t for p in dashboard["panels"] for t in p["targets"]]
+    for target in targets:
+        groups = by_groups(target["expr"])
+        assert groups and all("precision" in g for g in groups if g & {"heads", "model"}), target["expr"]
+        assert 'precision=~"$precision"' in target["expr"], target["expr"]
+        if "legendFormat" in target:
+            assert "{{precision}}" in target["legendFormat"], target["legendFormat"]
+    heads = [t for t in targets if any("heads" in g for g in by_groups(t["expr"]))]
+    assert heads and all("h={{heads}} {{precision}}" in t["legendFormat"] for t in heads if "legendFormat" in t)
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["precision"]["definition"] == 'label_values(ray_mha_model_info{model=~"$model"}, precision)'
+    assert variables["precision"]["multi"] and variables["precision"]["includeAll"]
 
 
 # ---- Dockerfile ----

@@ -42,6 +42,30 @@ def test_model_listing_entries_parse_with_the_configuration_at_top_level_or_nest
         parse_model({"name": "m", "heads": 2, "head_dim": 16, "d_model": 32, "layers": 1, "ready": True})
 
 
+def test_a_model_entry_without_precision_reads_as_fp32_and_a_variant_keeps_its_precision_and_source():
+    entry = {"name": "mha-h8-d64", "heads": 8, "head_dim": 8, "d_model": 64, "layers": 1, "max_len": 32}
+    assert parse_model(entry).precision == "fp32" and parse_model(entry).quantized_from == ""
+    assert parse_model(entry | {"precision": None, "quantized_from": None}).precision == "fp32"
+    variant = parse_model(entry | {"name": "mha-h8-d64-int8", "precision": "int8", "quantized_from": "mha-h8-d64"})
+    assert (variant.heads, variant.precision, variant.quantized_from) == (8, "int8", "mha-h8-d64")
+    assert variant.to_json()["precision"] == "int8"  # the report's model list says it too
+
+
+def test_v2_model_metadata_gives_the_head_configuration_and_precision_from_its_parameters():
+    parameters = {"heads": 8, "head_dim": 8, "d_model": 64, "layers": 1, "max_len": 32, "precision": "int8"}
+    model = parse_model({"name": "mha-h8-d64-int8", "versions": ["1"], "parameters": parameters})
+    assert (model.heads, model.max_len, model.precision, model.ready) == (8, 32, "int8", True)
+
+
+def test_all_models_run_by_h_with_each_int8_variant_right_after_its_fp32_source():
+    models = [
+        ModelInfo("mha-h4-d32-int8", 4, 8, 32, 1, 32, precision="int8"),
+        ModelInfo("mha-h4-d32", 4, 8, 32, 1, 32),
+        ModelInfo("mha-h2-d32", 2, 16, 32, 1, 32),
+    ]
+    assert [m.name for m in select_models(models, "all")] == ["mha-h2-d32", "mha-h4-d32", "mha-h4-d32-int8"]
+
+
 def test_selecting_an_unknown_model_names_the_ones_served():
     models = [ModelInfo("mha-h4-d32", 4, 8, 32, 1, 32), ModelInfo("mha-h2-d32", 2, 16, 32, 1, 32)]
     assert [m.heads for m in select_models(models, "all")] == [2, 4]

@@ -10,8 +10,9 @@ import pytest
 
 from loadtest.cli import main
 from loadtest.compare import compare, ratio
-from loadtest.plots import write_plots
-from loadtest.report import ReportError, build_report, load_report, write_report
+from loadtest.compare import markdown as compare_markdown
+from loadtest.plots import precisions, series, write_plots
+from loadtest.report import CSV_COLUMNS, ReportError, build_report, load_report, write_report
 from loadtest.stats import LevelResult
 
 
@@ -102,7 +103,7 @@ def test_compare_cli_prints_and_writes_the_side_by_side_table(tmp_path, capsys):
         write_report(tmp_path / name, build_report({"status": "complete"}, results, []), results, [])
     assert main(["--compare", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "cmp")]) == 0
     printed = capsys.readouterr().out
-    assert "| mha-h2-d32 | 2 | c=8 |" in printed and "0.50" in printed
+    assert "| mha-h2-d32 | 2 | fp32 | c=8 |" in printed and "0.50" in printed
     data = json.loads((tmp_path / "cmp" / "compare.json").read_text())
     assert len(data["rows"]) == 6 and data["unmatched"] == []
     assert (tmp_path / "cmp" / "compare.md").read_text() == printed.rstrip("\n") + "\n"
@@ -114,3 +115,61 @@ def test_loading_something_that_is_not_a_report_is_a_clear_error(tmp_path, capsy
         load_report(tmp_path)
     assert main(["--compare", str(tmp_path), str(tmp_path / "missing")]) == 2
     assert "no 'levels' list" in capsys.readouterr().err
+
+
+def precision_pair(scale: float = 1.0) -> list[LevelResult]:
+    """An fp32 model and its int8 variant: the same h, two precisions."""
+    fp32 = [level("mha-h2-d32", 2, "closed", c, p50=2.0 * c * scale, rps=50.0 * c) for c in (1, 8)]
+    int8 = [level("mha-h2-d32-int8", 2, "closed", c, p50=c * scale, rps=80.0 * c, precision="int8") for c in (1, 8)]
+    return fp32 + int8
+
+
+def test_the_same_h_at_two_precisions_is_two_rows_and_two_series(tmp_path):
+    results = precision_pair()
+    write_report(tmp_path, build_report({"status": "complete"}, results, []), results, write_plots(results, tmp_path))
+
+    with (tmp_path / "report.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [(row["model"], row["heads"], row["precision"]) for row in rows] == [
+        ("mha-h2-d32", "2", "fp32"),
+        ("mha-h2-d32", "2", "fp32"),
+        ("mha-h2-d32-int8", "2", "int8"),
+        ("mha-h2-d32-int8", "2", "int8"),
+    ]
+    md = (tmp_path / "report.md").read_text()
+    assert "| model | h | precision | head_dim | level |" in md
+    assert md.count("| mha-h2-d32 | 2 | fp32 | 16 |") == 2 and md.count("| mha-h2-d32-int8 | 2 | int8 | 16 |") == 2
+
+    assert list(series(results)) == ["h=2 fp32 (mha-h2-d32)", "h=2 int8 (mha-h2-d32-int8)"]
+    assert precisions(results) == ["fp32", "int8"]  # latency_vs_heads draws a line per percentile and precision
+    assert list(series(list(reversed(results)))) == ["h=2 fp32 (mha-h2-d32)", "h=2 int8 (mha-h2-d32-int8)"]
+
+
+def test_the_csv_gains_only_a_precision_column_after_the_head_configuration():
+    assert CSV_COLUMNS[:6] == ["model", "heads", "head_dim", "d_model", "precision", "mode"]
+    assert CSV_COLUMNS.count("precision") == 1 and len(CSV_COLUMNS) == len(set(CSV_COLUMNS))
+
+
+def test_a_report_from_before_precision_was_recorded_reads_as_fp32(tmp_path):
+    results = sample_results()
+    write_report(tmp_path, build_report({"status": "complete"}, results, []), results, [])
+    report = json.loads((tmp_path / "report.json").read_text())
+    for entry in report["levels"]:
+        del entry["precision"]
+    (tmp_path / "report.json").write_text(json.dumps(report))
+
+    _, loaded = load_report(tmp_path)
+    assert loaded == results and {r.precision for r in loaded} == {"fp32"}
+
+
+def test_compare_matches_each_precision_separately_and_names_it():
+    rows, only = compare(precision_pair(1.0), precision_pair(0.5))
+    assert only == [] and [(r.model, r.precision, r.level) for r in rows] == [
+        ("mha-h2-d32", "fp32", "c=1"),
+        ("mha-h2-d32", "fp32", "c=8"),
+        ("mha-h2-d32-int8", "int8", "c=1"),
+        ("mha-h2-d32-int8", "int8", "c=8"),
+    ]
+    assert all(row.values["p50"][2] == pytest.approx(0.5) for row in rows)
+    text = compare_markdown(rows, only, "a", "b")
+    assert "| model | h | precision | level |" in text and "| mha-h2-d32-int8 | 2 | int8 | c=8 |" in text

@@ -54,6 +54,18 @@ def test_failures_after_a_success_do_not_abort():
     assert rec.take() and rec.stopped_by == ""
 
 
+def test_the_result_carries_the_models_precision():
+    model = ModelInfo("mha-h2-d32-int8", 2, 16, 32, 1, 32, precision="int8", quantized_from="mha-h2-d32")
+    target = Target(model, "/v1/models/mha-h2-d32-int8/predict", (), batch_size=1)
+    rec = recorder()
+    rec.take()
+    rec.record(0.01, "", "", 1)
+    rec.finish()
+    result = rec.result(target, Level("closed", 1))
+    assert (result.model, result.heads, result.precision) == ("mha-h2-d32-int8", 2, "int8")
+    assert rec.result(TARGET, Level("closed", 1)).precision == "fp32"
+
+
 def test_the_result_counts_what_was_recorded_over_the_whole_duration():
     rec = recorder(duration_s=0.3)
     for latency in (0.010, 0.020, 0.030):

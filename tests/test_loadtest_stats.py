@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from loadtest.runner import poisson_schedule
-from loadtest.stats import latency_summary, percentile
+from loadtest.stats import LevelResult, latency_summary, percentile, precision_rank
 
 
 @pytest.mark.parametrize("size", [1, 2, 7, 100, 1001])
@@ -53,3 +53,13 @@ def test_poisson_schedule_is_bounded_by_request_count_and_rejects_a_zero_rate():
     assert len(poisson_schedule(1000.0, 60.0, 25, random.Random(0))) == 25
     with pytest.raises(ValueError, match="rate must be > 0"):
         poisson_schedule(0.0, 1.0, 10, random.Random(0))
+
+
+def test_a_level_without_precision_reads_as_fp32_and_groups_by_h_then_precision():
+    fields = {"model": "m", "heads": 4, "head_dim": 8, "d_model": 32, "mode": "closed", "concurrency": 1}
+    fields |= {"offered_rate": 0.0, "batch_size": 1, "duration_s": 1.0, "sent": 1, "ok": 1}
+    old = LevelResult.from_json(fields)
+    int8 = LevelResult.from_json(fields | {"model": "m-int8", "precision": "int8"})
+    assert old.precision == "fp32" and int8.precision == "int8"
+    assert old.group_key < int8.group_key < LevelResult.from_json(fields | {"heads": 8}).group_key
+    assert [precision_rank(p) for p in ("fp32", "fp16", "int8", "bf16")] == [0, 1, 2, 3]
