@@ -216,7 +216,8 @@ def gate_data(folder: Path, meta: ModelMetadata, settings: GateSettings, seed: i
     return GateData(ids * mask, mask, None, f"generated ids, lengths 1..{width} (seed {seed})")
 
 
-def _session(path: Path, providers: list[str]) -> ort.InferenceSession:
+def open_session(path: Path, providers: list[str]) -> ort.InferenceSession:
+    """An ORT session that logs errors only (the gate's output stays readable)."""
     options = ort.SessionOptions()
     options.log_severity_level = 3
     return ort.InferenceSession(str(path), options, providers=providers)
@@ -323,16 +324,16 @@ def gpu_providers() -> tuple[list[str] | None, str]:
 
 def run_gate(source: Path, variant: Path, precision: str, data: GateData) -> GateResult:
     """Both models on the same inputs: on the CPU, and for fp16 also on the GPU where there is one."""
-    reference = logits_of(_session(source, ["CPUExecutionProvider"]), data)
+    reference = logits_of(open_session(source, ["CPUExecutionProvider"]), data)
     # On the CPU an fp16 graph runs through casts ORT inserts around kernels it lacks: this checks the conversion
     # (fp16 weights and intermediate values), not the GPU's kernels, which the GPU gate runs where a device is present.
-    result = compare(reference, logits_of(_session(variant, ["CPUExecutionProvider"]), data), data, "cpu")
+    result = compare(reference, logits_of(open_session(variant, ["CPUExecutionProvider"]), data), data, "cpu")
     if precision != "fp16":
         return result
     providers, why_not = gpu_providers()
     if providers is None:
         return replace(result, gpu_gate=f"not run: {why_not}")
-    session = _session(variant, providers)
+    session = open_session(variant, providers)
     if session.get_providers()[0] != "CUDAExecutionProvider":
         return replace(result, gpu_gate="not run: CUDAExecutionProvider failed to load (CUDA/cuDNN libraries)")
     on_gpu = compare(reference, logits_of(session, data), data, "gpu")

@@ -1,6 +1,7 @@
 """`mha-serving sweep`: train every head count on one task with every other setting fixed, several seeds each, export
 each h once, time them all (ONNX Runtime in-process, or a running service with --url; --retime times an earlier
-sweep's models again without training) and report quality versus latency.
+sweep's models again without training) and report quality versus latency. In-process, each exported model also gets
+an int8 twin (dynamic quantization), measured on the same validation split and timed in the same rounds.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import json
 import os
 import platform
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -17,8 +19,18 @@ import torch
 from contract.metadata import CONFIG_FILE
 from export.convert import ExportError
 from export.parity import ParityError
+from export.quantize import GateSettings, QuantizeError, cpu_flags, gate_data, plan_int8, source_metadata
 from export.sweep_report import Run, summarize, write_report
-from export.sweep_timing import ROUNDS, TimingError, in_process_caller, service_caller, time_models
+from export.sweep_timing import (
+    INT8_MODE,
+    ROUNDS,
+    Int8Twin,
+    TimingError,
+    in_process_caller,
+    int8_twin,
+    service_caller,
+    time_models,
+)
 from export.tasks import Task, get_task
 from export.train import TrainResult, export_trained, train
 from export.train_cli import add_training_arguments, training_config
@@ -40,26 +52,57 @@ def parse_heads(text: str) -> list[int]:
     return sorted(heads)
 
 
-def time_exported(args: argparse.Namespace, task: Task, folders: dict[int, Path]) -> dict[int, tuple[float, ...]]:
-    """p50 latency per h of the exported models, in-process or (with --url) through the running service."""
+def int8_twins(
+    args: argparse.Namespace, folders: dict[int, Path], scratch: Path
+) -> tuple[dict[int, Int8Twin], dict[str, object] | str]:
+    """h -> the int8 twin of its exported model, measured on that model's validation split; and how they were made
+    (for the settings). No twins with --no-int8, nor with --url: a service times only the models it serves."""
+    if args.no_int8 or args.url:
+        return {}, "not measured: " + ("--no-int8" if args.no_int8 else "timed through a service (--url)")
+    plan = plan_int8(cpu_flags())
+    twins = {}
+    for h, folder in folders.items():
+        twins[h] = int8_twin(folder, scratch, gate_data(folder, source_metadata(folder), GateSettings()), plan)
+        accuracy = "n/a" if twins[h].accuracy is None else f"{twins[h].accuracy:.4f}"
+        print(f"  int8 h={h}: val acc {accuracy}, argmax agreement {twins[h].agreement:.2%}", flush=True)
+    data = sorted({t.data for t in twins.values()})
+    method = {"mode": INT8_MODE, "weights": plan.weights, "reduce_range": plan.reduce_range, "why": plan.reason}
+    return twins, {**method, "data": ", ".join(data)}
+
+
+def time_exported(
+    args: argparse.Namespace, task: Task, folders: dict[int, Path], int8: dict[int, Path]
+) -> tuple[dict[int, tuple[float, ...]], dict[int, tuple[float, ...]]]:
+    """p50 latency per h of the exported models, in-process or (with --url) through the running service; and of their
+    int8 twins (in-process), in the same interleaved rounds, so each int8/fp32 ratio shares the machine's noise."""
     texts = [e.text for e in task.generate(64, LATENCY_SEED)]
     where = f"the service at {args.url}" if args.url else f"onnxruntime in-process ({args.threads} thread(s))"
-    print(f"timing {len(folders)} model(s) with {where}, interleaved over {ROUNDS} rounds", flush=True)
+    count = f"{len(folders)} model(s)" + (f" and {len(int8)} int8 twin(s)" if int8 else "")
+    print(f"timing {count} with {where}, interleaved over {ROUNDS} rounds", flush=True)
     if not args.url:
-        callers = {h: in_process_caller(f, texts, task.max_len, args.threads) for h, f in folders.items()}
-        return time_models(callers, args.repeats)
+        callers = {}
+        for h, folder in folders.items():
+            callers[h, "fp32"] = in_process_caller(folder, texts, task.max_len, args.threads)
+            if h in int8:
+                callers[h, "int8"] = in_process_caller(int8[h], texts, task.max_len, args.threads)
+        latency = time_models(callers, args.repeats)
+        fp32 = {h: p50 for (h, precision), p50 in latency.items() if precision == "fp32"}
+        return fp32, {h: p50 for (h, precision), p50 in latency.items() if precision == "int8"}
     import httpx
 
     with httpx.Client(timeout=30.0) as client:
         callers = {h: service_caller(client, args.url, f.name, texts) for h, f in folders.items()}
-        return time_models(callers, args.repeats)
+        return time_models(callers, args.repeats), {}
 
 
 def exported_folders(models_dir: Path) -> dict[int, Path]:
-    """h -> model folder of an earlier sweep (from each folder's config.json)."""
+    """h -> fp32 model folder of an earlier sweep (from each folder's config.json)."""
     folders = {}
     for config in sorted(models_dir.glob(f"*/{CONFIG_FILE}")):
-        folders[int(json.loads(config.read_text())["heads"])] = config.parent
+        record = json.loads(config.read_text())
+        if record.get("precision", "fp32") != "fp32":  # a variant beside its source (mha-serving quantize): same h
+            continue
+        folders[int(record["heads"])] = config.parent
     if not folders:
         raise SweepError(f"no exported models under {models_dir}: run the sweep without --retime first")
     return folders
@@ -89,6 +132,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--url", default=None, help="time a running service serving the sweep's models (its base URL)")
     parser.add_argument("--repeats", type=int, default=200, help="timed calls at batch 1 (batch 32: a quarter)")
     parser.add_argument("--attention", action="store_true", help="also export model.attn.onnx for each h")
+    parser.add_argument(
+        "--no-int8",
+        action="store_true",
+        help="no int8 twins (by default each exported model is also quantized, measured and timed as int8)",
+    )
     parser.add_argument(
         "--retime",
         action="store_true",
@@ -142,13 +190,16 @@ def main(argv: list[str] | None = None) -> int:
             args.out.mkdir(parents=True, exist_ok=True)
             settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
             runs, folders = _train_all(args, task)
-        latency = time_exported(args, task, folders)
-    except (ValueError, ExportError, ParityError, FloatingPointError, TimingError, OSError) as exc:
+        with tempfile.TemporaryDirectory(prefix=".sweep-int8.") as scratch:  # the twins live until they are timed
+            twins, int8_method = int8_twins(args, folders, Path(scratch))
+            latency, int8_latency = time_exported(args, task, folders, {h: t.folder for h, t in twins.items()})
+    except (ValueError, ExportError, ParityError, FloatingPointError, TimingError, QuantizeError, OSError) as exc:
         print(f"mha-serving sweep: {exc}", file=sys.stderr)
         return 2
     settings = {
         **settings,
-        **{k: getattr(args, k) for k in ("url", "repeats", "threads", "retime")},
+        **{k: getattr(args, k) for k in ("url", "repeats", "threads", "retime", "no_int8")},
+        "int8": int8_method,
         "timed_by": f"service at {args.url}" if args.url else f"onnxruntime in-process, {args.threads} thread(s)",
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
     }
@@ -156,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{task.name}: d_model {settings['d_model']}, {settings['layers']} layer(s), {settings['steps']} steps, "
         f"{settings['seeds']} seed(s) per h"
     )
-    rows = summarize(runs, latency)
+    rows = summarize(runs, latency, twins, int8_latency)
     paths = write_report(args.out, rows, runs, settings, title)
     print((args.out / "sweep.md").read_text())
     print("wrote " + ", ".join(str(p) for p in paths))

@@ -1,5 +1,6 @@
-"""The head-count sweep's report: one row per h (mean and spread over seeds), the table (Markdown, CSV, JSON), the
-quality-versus-latency plot, and a verdict per claim computed from the numbers. Torch-free.
+"""The head-count sweep's report: one row per h (mean and spread over seeds; the int8 twin of each h's seed-0 model),
+the tables (Markdown, CSV, JSON), the quality-versus-latency plot, and a verdict per claim computed from the numbers.
+Torch-free.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from statistics import mean, pstdev
+
+from export.sweep_timing import Int8Twin
 
 SMALL_HEAD_DIM = 64  # the claim: training is unstable when head_dim < 64
 BALANCED_HEADS = (4, 8)  # the claim: the best quality/latency balance is around 4-8 heads
@@ -48,6 +51,16 @@ class Row:
     p50_b32_ms: float
     spikes_per_run: float
     max_grad_norm_mean: float  # the mean over seeds of each run's largest gradient norm (before clipping)
+    # int8: the seed-0 model (the exported one) quantized, on the validation split in ONNX Runtime (nan: not measured)
+    int8_val_acc: float = math.nan
+    int8_fp32_val_acc: float = math.nan  # the same fp32 model on the same split in ORT: what int8 is set against
+    int8_agreement: float = math.nan  # fraction of inputs whose argmax equals the fp32 model's
+    int8_p50_b1_ms: float = math.nan  # timed in the same interleaved rounds as the fp32 models
+    int8_p50_b32_ms: float = math.nan
+
+    @property
+    def has_int8(self) -> bool:
+        return not math.isnan(self.int8_agreement)
 
 
 @dataclass(frozen=True)
@@ -57,12 +70,21 @@ class Verdict:
     evidence: str
 
 
-def summarize(runs: list[Run], latency: dict[int, tuple[float, float]]) -> list[Row]:
-    """Rows sorted by h; `latency` maps h to (batch-1 p50 ms, batch-32 p50 ms)."""
+def summarize(
+    runs: list[Run],
+    latency: dict[int, tuple[float, float]],
+    int8: dict[int, Int8Twin] | None = None,
+    int8_latency: dict[int, tuple[float, float]] | None = None,
+) -> list[Row]:
+    """Rows sorted by h; `latency` maps h to (batch-1 p50 ms, batch-32 p50 ms), `int8_latency` the same for the int8
+    twins in `int8`."""
+    int8, int8_latency = int8 or {}, int8_latency or {}
     rows = []
     for h in sorted({r.heads for r in runs}):
         mine = [r for r in runs if r.heads == h]
         b1, b32 = latency.get(h, (math.nan, math.nan))
+        twin = int8.get(h)
+        q_b1, q_b32 = int8_latency.get(h, (math.nan, math.nan))
         rows.append(
             Row(
                 heads=h,
@@ -78,9 +100,18 @@ def summarize(runs: list[Run], latency: dict[int, tuple[float, float]]) -> list[
                 p50_b32_ms=b32,
                 spikes_per_run=mean(r.spikes for r in mine),
                 max_grad_norm_mean=mean(r.max_grad_norm for r in mine),
+                int8_val_acc=_or_nan(twin and twin.accuracy),
+                int8_fp32_val_acc=_or_nan(twin and twin.fp32_accuracy),
+                int8_agreement=_or_nan(twin and twin.agreement),
+                int8_p50_b1_ms=q_b1,
+                int8_p50_b32_ms=q_b32,
             )
         )
     return rows
+
+
+def _or_nan(value: float | None) -> float:
+    return math.nan if value is None else value
 
 
 def markdown_table(rows: list[Row]) -> str:
@@ -96,6 +127,42 @@ def markdown_table(rows: list[Row]) -> str:
         for r in rows
     ]
     return head + "\n".join(lines) + "\n"
+
+
+def _fp32_to_int8(fp32_ms: float, int8_ms: float) -> str:
+    return f"{fp32_ms:.3f} → {int8_ms:.3f} ({int8_ms / fp32_ms:.2f}x)"
+
+
+def int8_table(rows: list[Row]) -> str:
+    """fp32 and int8 side by side for each h's seed-0 model; empty when no int8 twin was measured."""
+    measured = [r for r in rows if r.has_int8]
+    if not measured:
+        return ""
+    head = (
+        "| h | val acc, fp32 | val acc, int8 | int8 - fp32 | argmax agreement | p50 batch 1 (ms), fp32 → int8 "
+        "| p50 batch 32 (ms), fp32 → int8 |\n"
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n"
+    )
+    lines = [
+        f"| {r.heads} | {r.int8_fp32_val_acc:.4f} | {r.int8_val_acc:.4f} | {r.int8_val_acc - r.int8_fp32_val_acc:+.4f} "
+        f"| {r.int8_agreement:.2%} | {_fp32_to_int8(r.p50_b1_ms, r.int8_p50_b1_ms)} "
+        f"| {_fp32_to_int8(r.p50_b32_ms, r.int8_p50_b32_ms)} |"
+        for r in measured
+    ]
+    return head + "\n".join(lines) + "\n"
+
+
+def int8_note(settings: dict[str, object]) -> str:
+    """How the int8 twins were made and measured, from the sweep's settings (its "int8" record)."""
+    method = settings.get("int8")
+    if not isinstance(method, dict):
+        return ""
+    weights = f"{method['weights']} weights, " + ("7 bits (reduce_range)" if method["reduce_range"] else "full range")
+    return (
+        f"ONNX Runtime's {method['mode']} quantization ({weights}: {method['why']}). Accuracy of both models in ONNX "
+        f"Runtime on the same inputs ({method['data']}); each twin timed in the same interleaved rounds as the fp32 "
+        "models."
+    )
 
 
 def _by_heads(rows: list[Row]) -> dict[int, Row]:
@@ -175,7 +242,8 @@ def verdicts(rows: list[Row]) -> list[Verdict]:
 
 
 def plot(rows: list[Row], path: Path, title: str) -> None:
-    """Validation accuracy (mean, error bar = seed spread) against p50 latency at batch 1 and 32, one point per h."""
+    """Validation accuracy (mean, error bar = seed spread) against p50 latency at batch 1 and 32, one point per h;
+    with int8 twins measured, their accuracy (seed-0 model) against their p50 as a second curve."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -185,12 +253,20 @@ def plot(rows: list[Row], path: Path, title: str) -> None:
     for ax, key, batch in ((axes[0], "p50_b1_ms", 1), (axes[1], "p50_b32_ms", 32)):
         xs = [getattr(r, key) for r in rows]
         ys = [r.val_acc_mean for r in rows]
-        ax.errorbar(xs, ys, yerr=[r.val_acc_std for r in rows], fmt="o-", capsize=3)
+        ax.errorbar(xs, ys, yerr=[r.val_acc_std for r in rows], fmt="o-", capsize=3, label="fp32 (mean ± sd, seeds)")
         for r, x, y in zip(rows, xs, ys, strict=True):
             ax.annotate(f"h={r.heads}", (x, y), textcoords="offset points", xytext=(5, -12), fontsize=8)
+        measured = [r for r in rows if r.has_int8]
+        if measured:
+            qx = [getattr(r, f"int8_{key}") for r in measured]
+            qy = [r.int8_val_acc for r in measured]
+            ax.plot(qx, qy, "x--", color="tab:orange", label="int8, dynamic (seed-0 model)")
+            for r, x, y in zip(measured, qx, qy, strict=True):
+                ax.annotate(f"h={r.heads}", (x, y), textcoords="offset points", xytext=(5, 4), fontsize=7)
+            ax.legend(fontsize=8, loc="lower right")
         ax.set_xlabel(f"p50 latency, batch {batch} (ms)")
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel("validation accuracy (mean ± sd over seeds)")
+    axes[0].set_ylabel("validation accuracy")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
@@ -212,7 +288,11 @@ def write_report(out: Path, rows: list[Row], runs: list[Run], settings: dict[str
     """sweep.md, sweep.csv, sweep.json and sweep.png in `out`; returns their paths."""
     found = verdicts(rows)
     claims = "\n".join(f"- **{v.claim}**: {v.verdict}. {v.evidence}." for v in found)
-    md = f"# {title}\n\n{markdown_table(rows)}\n## The claims, checked against these numbers\n\n{claims}\n"
+    md = f"# {title}\n\n{markdown_table(rows)}\n"
+    if int8_table(rows):
+        md += "## int8 (dynamic quantization of each h's seed-0 model)\n\n"
+        md += f"{int8_table(rows)}\n{int8_note(settings)}\n\n"
+    md += f"## The claims, checked against these numbers\n\n{claims}\n"
     paths = [out / "sweep.md", out / "sweep.csv", out / "sweep.json", out / "sweep.png"]
     paths[0].write_text(md)
     with paths[1].open("w", newline="") as f:

@@ -1,24 +1,33 @@
 """Latency of a sweep's exported models: p50 per call at batch 1 and 32, all models timed in interleaved rounds so they
-share the machine's noise; in-process ONNX Runtime, or a running service's /v1/models/{name}/predict. Torch-free.
+share the machine's noise; in-process ONNX Runtime, or a running service's /v1/models/{name}/predict. And each model's
+int8 twin (ONNX Runtime's dynamic quantization), with its accuracy against the fp32 model, to be timed in the same
+rounds. Torch-free.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
 from contract.metadata import ATTENTION_MASK, INPUT_IDS, MODEL_FILE
 from contract.tokenizer import ByteTokenizer
 
+if TYPE_CHECKING:
+    from export.quantize import GateData, Int8Plan
+
 BATCHES = (1, 32)
 ROUNDS = 5  # every model is timed once per round, round after round
 WARMUP = 5  # untimed calls per model and batch size before the first round
 
 Caller = Callable[[int], None]  # one inference call at the given batch size
+Key = TypeVar("Key", bound=Hashable)  # what a timed model is known by: h, heads removed, (h, precision)
+INT8_MODE = "dynamic"  # weights int8 ahead of time, activations quantized per call: no calibration data to choose
 
 
 class TimingError(RuntimeError):
@@ -65,13 +74,13 @@ def calls_per_round(batch: int, repeats: int) -> int:
     return max(1, total // ROUNDS)
 
 
-def time_models(callers: dict[int, Caller], repeats: int) -> dict[int, tuple[float, ...]]:
-    """h -> p50 milliseconds per call at each batch size of BATCHES."""
+def time_models(callers: dict[Key, Caller], repeats: int) -> dict[Key, tuple[float, ...]]:
+    """Key (h, ...) -> p50 milliseconds per call at each batch size of BATCHES, in the callers' order per round."""
     for call in callers.values():
         for batch in BATCHES:
             for _ in range(WARMUP):
                 call(batch)
-    samples: dict[tuple[int, int], list[float]] = {(h, b): [] for h in callers for b in BATCHES}
+    samples: dict[tuple[Key, int], list[float]] = {(h, b): [] for h in callers for b in BATCHES}
     for _ in range(ROUNDS):
         for h, call in callers.items():
             for batch in BATCHES:
@@ -80,3 +89,36 @@ def time_models(callers: dict[int, Caller], repeats: int) -> dict[int, tuple[flo
                     call(batch)
                     samples[h, batch].append(time.perf_counter() - start)
     return {h: tuple(statistics.median(samples[h, b]) * 1e3 for b in BATCHES) for h in callers}
+
+
+@dataclass(frozen=True)
+class Int8Twin:
+    """An exported model's dynamic-int8 quantization and its figures against the fp32 model on the same inputs."""
+
+    folder: Path  # holds the int8 model.onnx (nothing else: enough for in_process_caller)
+    accuracy: float | None  # fraction correct on the data's labels (None without labels), as the lab's fp32 columns
+    fp32_accuracy: float | None  # the fp32 model in ONNX Runtime on the same data: the int8 drop is against this
+    agreement: float  # fraction of inputs whose argmax equals the fp32 model's
+    max_logit_diff: float
+    data: str  # where the inputs come from, in words
+
+
+def int8_twin(folder: Path, scratch: Path, data: GateData, plan: Int8Plan) -> Int8Twin:
+    """Quantize `folder`'s model.onnx into `scratch/<folder name>-int8` and measure both models on `data`.
+
+    No quality gate (export/quantize.py's make_variant has one): the lab's job is to show what int8 costs, so a model
+    that int8 hurts is measured and reported, not refused.
+    """
+    from export.quantize import QuantizeError, compare, logits_of, open_session, to_int8
+
+    target = Path(scratch) / f"{Path(folder).name}-int8"
+    target.mkdir(parents=True, exist_ok=True)
+    try:
+        to_int8(Path(folder) / MODEL_FILE, target / MODEL_FILE, INT8_MODE, plan)
+    except Exception as exc:  # the quantizer's errors come from many layers (onnx, numpy, its own asserts)
+        raise QuantizeError(f"{Path(folder).name}: int8 conversion failed: {type(exc).__name__}: {exc}") from exc
+    logits = [logits_of(open_session(f / MODEL_FILE, ["CPUExecutionProvider"]), data) for f in (Path(folder), target)]
+    gate = compare(logits[0], logits[1], data, "cpu")  # accuracies in percent; the lab's columns are fractions
+    accuracy = None if gate.accuracy is None else gate.accuracy / 100
+    fp32_accuracy = None if gate.fp32_accuracy is None else gate.fp32_accuracy / 100
+    return Int8Twin(target, accuracy, fp32_accuracy, gate.agreement, gate.max_logit_diff, data.source)

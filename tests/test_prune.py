@@ -25,7 +25,7 @@ from export.prune import PruneError, heads_to_remove, iterative_prune, prune_mod
 from export.prune_cli import PRUNING_FILE
 from export.prune_cli import main as prune_main
 from export.prune_curve import main as curve_main
-from export.prune_curve_report import CurveRow, saved_per_head
+from export.prune_curve_report import CurveRow, saved_per_head, write_report
 from export.tasks import get_task
 from export.train import encode_examples
 
@@ -180,7 +180,7 @@ def test_prune_bad_input_is_one_line_naming_the_fix_and_writes_nothing(
 
 
 @pytest.mark.slow
-def test_prune_curve_writes_accuracy_and_latency_per_heads_pruned_for_both_orders(trained, tmp_path):
+def test_prune_curve_writes_accuracy_and_latency_per_heads_pruned_for_both_orders_and_int8(trained, tmp_path):
     out = tmp_path / "curve"
     assert curve_main(["--model", str(trained), "--seeds", "2", "--repeats", "10", "--out", str(out)]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["curve.csv", "curve.json", "curve.md", "curve.png"]
@@ -193,6 +193,35 @@ def test_prune_curve_writes_accuracy_and_latency_per_heads_pruned_for_both_order
     assert rows[-1]["kernel"] == "unfused" and rows[0]["kernel"] == FUSED_KERNEL
     assert set(record["saved_per_head_ms"]) == {"batch_1", "batch_32"}
     assert [p.name for p in tmp_path.iterdir()] == ["curve"]  # its scratch exports and staging are gone
+    # int8 by default: each importance-order model's twin, on the same test examples, timed in the same rounds
+    assert all(0 <= r["int8_acc"] <= 1 and 0 <= r["int8_agreement"] <= 1 for r in rows)
+    assert all(r["int8_p50_b1_ms"] > 0 and r["int8_p50_b32_ms"] > 0 for r in rows)
+    assert all(abs(r["int8_fp32_acc"] - r["acc_importance"]) <= 0.01 for r in rows)  # ORT's fp32 = torch's (parity)
+    assert record["settings"]["int8"]["mode"] == "dynamic" and "test examples" in record["settings"]["int8"]["data"]
+    assert set(record["int8_saved_per_head_ms"]) == {"batch_1", "batch_32"}
+    assert "acc, int8 (importance)" in (out / "curve.md").read_text()
+
+
+def _curve_row(removed: int, int8: bool) -> CurveRow:
+    figures = {"int8_acc": 0.9, "int8_fp32_acc": 0.91, "int8_agreement": 0.98, "int8_p50_b1_ms": 0.08} if int8 else {}
+    figures |= {"int8_p50_b32_ms": 2.0} if int8 else {}
+    return CurveRow(removed, removed / 4, 4 - removed, 0.91, 0.9, 0.01, 0.1, 3.0, FUSED_KERNEL, **figures)
+
+
+@pytest.mark.parametrize("int8", [True, False])
+def test_prune_curve_report_puts_int8_beside_fp32_only_when_the_twins_were_measured(int8, tmp_path):
+    rows = [_curve_row(n, int8) for n in range(3)]
+    method = {"mode": "dynamic", "weights": "s8", "reduce_range": False, "why": "vnni", "data": "test examples"}
+    settings = {"model": "m", "task": "kv-compare", "int8": method if int8 else "not measured: --no-int8"}
+    write_report(tmp_path, rows, settings)
+    table = (tmp_path / "curve.md").read_text()
+    record = json.loads((tmp_path / "curve.json").read_text())
+    header = (
+        "| acc, importance order | acc, int8 (importance) | acc, random order | p50 batch 1 (ms) | int8 p50 batch 1"
+    )
+    assert (header in table) is int8 and ("| 0.9100 | 0.9000 | 0.9000 ± 0.0100 | 0.100 | 0.080 |" in table) is int8
+    assert ("int8_saved_per_head_ms" in record) is int8 and ("0.80x fp32 at batch 1" in table) is int8
+    assert all((r["int8_acc"] is None) is not int8 for r in record["rows"])  # JSON null when not measured
 
 
 def test_latency_saved_per_head_is_the_slope_over_the_models_that_run_the_full_models_kernel():

@@ -117,10 +117,18 @@ def test_train_cli_bad_input_is_one_line_and_nonzero(argv, message, capsys, tmp_
     assert not any(tmp_path.iterdir())  # nothing trained or written
 
 
-def test_sweep_output_is_complete(tmp_path, capsys):
+@pytest.fixture(scope="module")
+def sweep_out(tmp_path_factory):
+    """A tiny sweep's report folder (default settings: int8 twins on)."""
+    out = tmp_path_factory.mktemp("sweep")
     argv = ["--task", "sentiment", "--heads", "1,2", "--seeds", "2", "--steps", "15", "--d-model", "16"]
-    argv += ["--examples", "400", "--repeats", "5", "--log-every", "15", "--out", str(tmp_path)]
+    argv += ["--examples", "400", "--repeats", "5", "--log-every", "15", "--out", str(out)]
     assert sweep.main(argv) == 0
+    return out
+
+
+def test_sweep_output_is_complete(sweep_out, tmp_path, capsys):
+    shutil.copytree(sweep_out, tmp_path, dirs_exist_ok=True)  # the retime below rewrites the report
     with (tmp_path / "sweep.csv").open() as f:
         rows = list(csv.DictReader(f))
     assert [int(r["heads"]) for r in rows] == [1, 2] and all(r["seeds"] == "2" for r in rows)
@@ -133,11 +141,33 @@ def test_sweep_output_is_complete(tmp_path, capsys):
     assert (tmp_path / "sweep.png").read_bytes().startswith(PNG_MAGIC)
     assert (tmp_path / "models" / "mha-h2-d16" / MODEL_FILE).is_file()  # each h exported once, through export_model
 
+    variant = tmp_path / "models" / "mha-h2-d16-int8"  # as `mha-serving quantize` writes beside its source
+    variant.mkdir()
+    (variant / "config.json").write_text(json.dumps({"heads": 2, "precision": "int8"}))
     capsys.readouterr()
-    assert sweep.main(["--retime", "--repeats", "5", "--out", str(tmp_path)]) == 0  # time again, no training
+    argv = ["--retime", "--repeats", "5", "--no-int8", "--out", str(tmp_path)]
+    assert sweep.main(argv) == 0  # time again, no training, the fp32 models only
     assert "validation:" not in capsys.readouterr().out
     retimed = json.loads((tmp_path / "sweep.json").read_text())
     assert retimed["runs"] == record["runs"] and retimed["settings"]["retime"] is True
+    assert all(r["int8_val_acc"] is None and r["int8_p50_b1_ms"] is None for r in retimed["rows"])
+    assert retimed["settings"]["int8"] == "not measured: --no-int8"
+    assert "## int8" not in (tmp_path / "sweep.md").read_text()
+
+
+def test_sweep_measures_an_int8_twin_of_each_h_beside_fp32_by_default(sweep_out):
+    record = json.loads((sweep_out / "sweep.json").read_text())
+    for row in record["rows"]:
+        assert 0 <= row["int8_val_acc"] <= 1 and 0 <= row["int8_fp32_val_acc"] <= 1 and 0 <= row["int8_agreement"] <= 1
+        assert row["int8_p50_b1_ms"] > 0 and row["int8_p50_b32_ms"] > 0
+    seed0 = {r["heads"]: r["val_acc"] for r in record["runs"] if r["seed"] == 0}
+    # the fp32 side of the int8 table is the exported seed-0 model on the split training validated on, now in ORT
+    assert all(abs(r["int8_fp32_val_acc"] - seed0[r["heads"]]) <= 0.01 for r in record["rows"])
+    method = record["settings"]["int8"]
+    assert method["mode"] == "dynamic" and method["data"] == "sentiment validation split"
+    table = (sweep_out / "sweep.md").read_text()
+    assert "## int8" in table and "| p50 batch 1 (ms), fp32 → int8 |" in table and "x) |" in table
+    assert not any(p.name.endswith("-int8") for p in (sweep_out / "models").iterdir())  # the twins were temporary
 
 
 def test_retime_without_an_earlier_sweep_is_a_clear_error(tmp_path, capsys):
