@@ -1,8 +1,9 @@
 """`python -m benchmarks.serving`: the service against bare ONNX Runtime and a plain FastAPI + ORT server, in one run.
 
 Small model (d_model 128, h 4, 2 layers) and default (d_model 512, h 8, 4 layers), 32 tokens per request: c=1 p50
-and c=32 throughput of each placement, the five default models served together, RSS and time to ready, then the
-ratios of the bar. Every server runs as a user starts it (`mha-serving serve` in a subprocess). Not a test: numbers
+and c=32 throughput of each placement, the five default models served together, RSS and time to ready, the default
+model's int8 variant against it (in process and served, file sizes, the five in both precisions), then the ratios
+of the bar. Every server runs as a user starts it (`mha-serving serve` in a subprocess). Not a test: numbers
 are noisy on shared cores; compare within a run. No torch (missing models are exported by a subprocess).
 """
 
@@ -45,6 +46,16 @@ def ensure_model(models_dir: Path, heads: int, d_model: int, layers: int) -> str
         print(f"exporting {name}: {' '.join(cmd[2:])}", flush=True)
         subprocess.run(cmd, check=True)
     return name
+
+
+def ensure_variant(models_dir: Path, name: str, precision: str = "int8") -> str:
+    """The `precision` variant of model `name`, made by `mha-serving quantize` (its gate included) if missing."""
+    variant = f"{name}-{precision}"
+    if not (models_dir / variant / MODEL_FILE).is_file():
+        cmd = [sys.executable, "-m", "service.cli", "quantize", "--model", str(models_dir / name)]
+        print(f"making {variant}: {' '.join(cmd[2:])} --precision {precision}", flush=True)
+        subprocess.run([*cmd, "--precision", precision], check=True)
+    return variant
 
 
 def request_bodies(n: int, batch: int = 1, seed: int = 0) -> list[bytes]:
@@ -304,8 +315,16 @@ BAR = {
     "five_c32_over_alone": 0.90,  # >=
     "five_pss_mib": 1536,  # <=
     "five_ready_s": 15.0,  # <=
+    "int8_c32_over_fp32": 2.2,  # >=
+    "int8_c1_p50_over_fp32": 0.6,  # <=
+    "int8_file_over_fp32": 0.3,  # <=
+    "five_int8_pss_over_fp32": 0.7,  # <=
 }
-AT_MOST = {"small_c1_over_bare_ms", "default_c1_over_bare_ms", "five_c1_p50_over_alone", "five_pss_mib", "five_ready_s"}
+AT_MOST = {
+    *("small_c1_over_bare_ms", "default_c1_over_bare_ms", "five_c1_p50_over_alone", "five_pss_mib", "five_ready_s"),
+    *("int8_c1_p50_over_fp32", "int8_file_over_fp32", "five_int8_pss_over_fp32"),
+}
+PRECISION_RUN = "serve (default fp32 and int8)"
 
 
 def per_round(bare: dict, plain: dict | None, runs: dict[str, dict]) -> dict[str, list[float]]:
@@ -334,6 +353,17 @@ def per_round(bare: dict, plain: dict | None, runs: dict[str, dict]) -> dict[str
         out["five_c32_over_alone"] = paired(five["busy"], alone["default"], "rate", "rate", operator.truediv)
         out["five_pss_mib"] = [five["rss_mib"]["Pss"]]
         out["five_ready_s"] = [five["ready_s"]]
+    if (both := runs.get(PRECISION_RUN)) is not None:
+        fp32, int8 = both["fp32"], both["int8"]
+        out["int8_c32_over_fp32"] = paired(int8, fp32, "rate", "rate", operator.truediv)
+        out["int8_c1_p50_over_fp32"] = paired(int8, fp32, "c1_p50_ms", "c1_p50_ms", operator.truediv)
+        bare_fp32, bare_int8 = both["bare fp32"], both["bare int8"]
+        out["int8_bare_b1_p50_over_fp32"] = paired(bare_int8, bare_fp32, "p50_ms", "p50_ms", operator.truediv)
+        out["int8_bare_batched_over_fp32"] = paired(bare_int8, bare_fp32, "best_rate", "best_rate", operator.truediv)
+        out["int8_file_over_fp32"] = [both["file_bytes"]["int8"] / both["file_bytes"]["fp32"]]
+    five_fp32, five_int8 = runs.get("serve (five default models, fp32)"), runs.get("serve (five default models, int8)")
+    if five_fp32 is not None and five_int8 is not None:
+        out["five_int8_pss_over_fp32"] = [five_int8["rss_mib"]["Pss"] / five_fp32["rss_mib"]["Pss"]]
     return out
 
 
@@ -346,6 +376,15 @@ def report(bare: dict, plain: dict | None, runs: dict[str, dict], figures: dict[
         how = f"medians of {len(b['rounds'])} rounds" if "rounds" in b else "the scan"
         line = f"{'bare ORT (b1 p50 / best batch)':<34} {label:<8} {b['p50_ms']:7.2f}ms {b['best_rate']:7.0f} seq/s"
         print(f"{line}  ({scan['p50_threads']} thread(s) / {scan['best_layout']}, batch {scan['best_batch']}; {how})")
+    for label in ("fp32", "int8"):
+        if (b := runs.get(PRECISION_RUN, {}).get(f"bare {label}")) is not None:
+            line = f"{f'bare ORT, default {label}':<34} {'default':<8} {b['p50_ms']:7.2f}ms {b['best_rate']:7.0f} seq/s"
+            print(f"{line}  ({b['scan']['best_layout']}, batch {b['scan']['best_batch']})")
+    if (files := runs.get(PRECISION_RUN, {}).get("file_bytes")) is not None:
+        print(
+            f"model.onnx of the default model: fp32 {files['fp32'] / 2**20:.1f} MiB, "
+            f"int8 {files['int8'] / 2**20:.1f} MiB"
+        )
     if plain is not None:
         print(f"{'plain FastAPI + ORT':<34} {'small':<8} {plain['c1_p50_ms']:7.2f}ms {plain['rate']:7.0f} req/s")
     for run_name, run in runs.items():
@@ -368,13 +407,43 @@ def report(bare: dict, plain: dict | None, runs: dict[str, dict], figures: dict[
     print("\nratios (bar in brackets; the median of the rounds, each round's figure after it):")
     for key, values in figures.items():
         value = float(np.median(values))
-        if key not in BAR:  # --versus: this code against the other tree's, no bar
-            print(f"  {key:<32} {value:9.2f}  (this tree against --versus) {' '.join(f'{v:.2f}' for v in values)}")
+        if key not in BAR:
+            what = "this tree against --versus" if key.startswith("versus_") else "no bar"
+            print(f"  {key:<32} {value:9.2f}  ({what}) {' '.join(f'{v:.2f}' for v in values)}")
             continue
         sign = "<=" if key in AT_MOST else ">="
         ok = value <= BAR[key] if key in AT_MOST else value >= BAR[key]
         each = " ".join(f"{v:.2f}" for v in values) if len(values) > 1 else ""
         print(f"  {key:<32} {value:9.2f}  [{sign} {BAR[key]:g}] {'ok' if ok else 'NOT MET':<8} {each}")
+
+
+def precisions(args, fp32: str, fp32_scan: dict, five: list[str]) -> dict[str, dict]:
+    """The default model's int8 variant against it: in process and served by one server (the same rounds), their
+    file sizes, then the five default models served in each precision (PSS and time to ready, one server at a time)."""
+    print("int8 against fp32: the default model in process and served, then the five in each precision...", flush=True)
+    int8 = ensure_variant(args.models, fp32)
+    five_int8 = [ensure_variant(args.models, name) for name in five]
+    int8_scan = bare_scan(args.models, int8, args.seconds)
+    with serve(args.models, {"fp32": fp32, "int8": int8}, "colocated", args) as server:
+        run = started(server, [fp32, int8])
+        parts = {
+            "bare fp32": bare_sides(args.models, fp32, fp32_scan, "bare fp32"),
+            "bare int8": bare_sides(args.models, int8, int8_scan, "bare int8"),
+            "fp32": served_sides(server.port, fp32, args.concurrency, server, "fp32"),
+            "int8": served_sides(server.port, int8, args.concurrency, server, "int8"),
+        }
+        got = rounds(interleaved(parts), args.rounds, args.seconds)
+    for label, scan in (("fp32", fp32_scan), ("int8", int8_scan)):
+        run[label] = joined(got, label)
+        run[f"bare {label}"] = {**joined(got, f"bare {label}"), "scan": scan}
+    run["file_bytes"] = {
+        label: (args.models / n / MODEL_FILE).stat().st_size for label, n in (("fp32", fp32), ("int8", int8))
+    }
+    out = {PRECISION_RUN: run}
+    for label, names in (("fp32", five), ("int8", five_int8)):
+        with serve(args.models, {n: n for n in names}, "colocated", args) as server:
+            out[f"serve (five default models, {label})"] = started(server, [])
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -390,8 +459,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--scenarios",
         type=lambda v: set(v.split(",")),
-        default={"plain", "colocated", "deployment", "five"},
-        help="which servers to measure besides bare ORT (default: plain,colocated,deployment,five)",
+        default={"plain", "colocated", "deployment", "five", "int8"},
+        help="which servers to measure besides bare ORT (default: plain,colocated,deployment,five,int8)",
     )
     p.add_argument(
         "--versus",
@@ -487,6 +556,8 @@ def main(argv: list[str] | None = None) -> int:
                 got = rounds(interleaved(parts), args.rounds, args.seconds)
         alone_run["default"], five_run["busy"] = joined(got, "alone"), joined(got, "busy")
         runs["serve (default model alone)"], runs["serve (five default models)"] = alone_run, five_run
+    if "int8" in args.scenarios:
+        runs.update(precisions(args, names["default"], scans["default"], five))
     figures = per_round(bare, plain, runs)
     report(bare, plain, runs, figures, args)
     if args.json:
