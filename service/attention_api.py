@@ -91,6 +91,11 @@ def decode(request: AttentionRequest, meta: ModelMetadata) -> tuple[np.ndarray, 
 def response(request: AttentionRequest, meta: ModelMetadata, tokens: list[str], result: AttentionResult) -> dict:
     if result.weights is None and not result.missing:
         raise NotReadyError(f"the attention variant of model {meta.name!r} cannot be used: {result.error}")
+    if result.weights is None and meta.quantized_from:
+        raise NoAttentionVariantError(
+            f"model {meta.name!r} is {meta.precision}: its attention maps come from its fp32 source "
+            f"{meta.quantized_from!r} (variants are made without the attention variant)"
+        )
     if result.weights is None:
         raise NoAttentionVariantError(
             f"model {meta.name!r} has no attention variant ({ATTENTION_MODEL_FILE}): export it with "

@@ -85,6 +85,14 @@ def test_int8_and_fp32_variants_serve_side_by_side_each_saying_its_precision(app
             assert precision_by_model(seen) == {FP32: {"fp32"}, INT8: {"int8"}}, metric
 
 
+def test_an_int8_variant_sends_attention_map_requests_to_its_fp32_source(app):
+    _settled(app)
+    with app.client() as c:
+        response = c.post(f"/v1/models/{INT8}/attention", json={"text": "a4b9"})
+    assert response.status_code == 404
+    assert f"attention maps come from its fp32 source {FP32!r}" in response.json()["error"]
+
+
 def test_an_fp16_model_is_refused_on_the_cpu_with_the_fix_named(app):
     models = _settled(app)
     fp16 = models[FP16]
