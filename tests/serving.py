@@ -71,6 +71,19 @@ def deploy(port: int, name: str, models_dir: Path, placement: str = "auto", **co
     return Served(f"http://127.0.0.1:{port}{prefix.rstrip('/')}", name, models_dir, args)
 
 
+def models_when_ready(served: Served, names: set[str], timeout_s: float = 60) -> dict[str, dict]:
+    """`GET /v1/models` by model name, once every model of `names` is ready (or `timeout_s` has passed)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    with served.client() as c:
+        while True:
+            models = {m["name"]: m for m in c.get("/v1/models").json()["models"]}
+            if all(models.get(n, {}).get("ready") for n in names) or time.monotonic() > deadline:
+                return models
+            time.sleep(0.5)
+
+
 def stop_ray() -> None:
     import ray
     from ray import serve

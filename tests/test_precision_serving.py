@@ -7,14 +7,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import export_tiny_model
 from prometheus import PrometheusServer
-from serving import bare_logits, deploy
+from serving import bare_logits, deploy, models_when_ready
 
 from contract.tokenizer import ByteTokenizer
 from export.quantize import make_variant
@@ -43,15 +42,9 @@ def app(request, serve_port, models_dir):
     serve.delete(served.name)
 
 
-def _settled(app, timeout_s: float = 60) -> dict[str, dict]:
+def _settled(app) -> dict[str, dict]:
     """The model list once the fp32 and int8 models are ready (the fp16 one never is, on a CPU)."""
-    deadline = time.monotonic() + timeout_s
-    with app.client() as c:
-        while True:
-            models = {m["name"]: m for m in c.get("/v1/models").json()["models"]}
-            if (models[FP32]["ready"] and models[INT8]["ready"]) or time.monotonic() > deadline:
-                return models
-            time.sleep(0.5)
+    return models_when_ready(app, {FP32, INT8})
 
 
 def test_int8_and_fp32_variants_serve_side_by_side_each_saying_its_precision(app, models_dir, metrics_port):

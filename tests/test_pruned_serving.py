@@ -6,13 +6,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 from prometheus import PrometheusServer
-from serving import bare_logits, deploy
+from serving import bare_logits, deploy, models_when_ready
 
 from contract.tokenizer import ByteTokenizer
 
@@ -52,20 +51,10 @@ def app(request, serve_port, models_dir):
     serve.delete(served.name)
 
 
-def _wait_ready(app, timeout_s: float = 60) -> list[dict]:
-    deadline = time.monotonic() + timeout_s
-    with app.client() as c:
-        while True:
-            models = c.get("/v1/models").json()["models"]
-            if all(m["ready"] for m in models) or time.monotonic() > deadline:
-                return models
-            time.sleep(0.5)
-
-
 def test_pruned_and_unpruned_models_are_listed_answer_like_ort_and_carry_their_heads_label(
     app, models_dir, metrics_port
 ):
-    models = {m["name"]: m for m in _wait_ready(app)}
+    models = models_when_ready(app, {UNPRUNED, PRUNED})
     assert set(models) == {UNPRUNED, PRUNED} and all(m["ready"] for m in models.values())
     assert models[UNPRUNED]["layer_heads"] == [4, 4] and models[PRUNED]["layer_heads"] == [3, 1]
     assert (models[PRUNED]["heads"], models[PRUNED]["head_dim"]) == (3, 8)  # the widest layer; head_dim unchanged
@@ -95,7 +84,7 @@ def test_pruned_and_unpruned_models_are_listed_answer_like_ort_and_carry_their_h
 
 @pytest.mark.slow
 def test_the_load_tester_compares_the_pruned_model_with_the_unpruned_one(app, tmp_path):
-    _wait_ready(app)
+    models_when_ready(app, {UNPRUNED, PRUNED})
     command = [sys.executable, "-m", "service.cli", "loadtest", "--quiet", "--url", app.base_url]
     command += ["--concurrency", "2", "--rate", "", "--duration", "1", "--warmup", "0", "--out", str(tmp_path)]
     run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=180)
