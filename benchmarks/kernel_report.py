@@ -72,7 +72,8 @@ def ratios(summary: dict) -> str:
         f"ORT int8 vs fp32 fused, all h: min {_num(summary['int8_vs_fused_min'])}, "
         f"geometric mean {_num(summary['int8_vs_fused_geomean'])}, max {_num(summary['int8_vs_fused_max'])}",
     ]
-    lines += [f"  [{'met' if ok else 'NOT met'}] {item}" for item, ok in summary["bar"].items()]
+    verdicts = {True: "met", False: "NOT met", None: "not measured"}
+    lines += [f"  [{verdicts[ok]}] {item}" for item, ok in summary["bar"].items()]
     return "\n".join(lines)
 
 
