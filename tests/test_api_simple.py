@@ -35,6 +35,7 @@ def test_predict_one_text_answers_label_probabilities_and_head_configuration(ser
         "d_model": 32,
         "layers": 1,
         "layer_heads": [heads],
+        "precision": "fp32",
     }
     assert out["label"] == out["predicted"][0]
 
