@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,6 +71,18 @@ def deploy(port: int, name: str, models_dir: Path, placement: str = "auto", **co
     logging = {"enable_access_log": False, "log_level": "WARNING"}
     serve.run(build_app(args), name=name, route_prefix=prefix, blocking=False, logging_config=logging)
     return Served(f"http://127.0.0.1:{port}{prefix.rstrip('/')}", name, models_dir, args)
+
+
+@contextlib.contextmanager
+def deployed(port: int, name: str, models_dir: Path, placement: str) -> Iterator[Served]:
+    """`deploy`, and the application deleted afterwards (a module's own application beside the session's)."""
+    from ray import serve
+
+    served = deploy(port, name, models_dir, placement=placement)
+    try:
+        yield served
+    finally:
+        serve.delete(served.name)
 
 
 def models_when_ready(served: Served, names: set[str], timeout_s: float = 60) -> dict[str, dict]:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from conftest import export_tiny_model
 from prometheus import PrometheusServer
-from serving import bare_logits, deploy, models_when_ready
+from serving import bare_logits, deployed, models_when_ready
 
 from contract.tokenizer import ByteTokenizer
 from export.quantize import make_variant
@@ -35,11 +35,8 @@ def models_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module", params=["colocated", "deployment"])
 def app(request, serve_port, models_dir):
-    from ray import serve
-
-    served = deploy(serve_port, f"{APP}-{request.param}", models_dir, placement=request.param)
-    yield served
-    serve.delete(served.name)
+    with deployed(serve_port, f"{APP}-{request.param}", models_dir, request.param) as served:
+        yield served
 
 
 def _settled(app) -> dict[str, dict]:

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from prometheus import PrometheusServer
-from serving import bare_logits, deploy, models_when_ready
+from serving import bare_logits, deployed, models_when_ready
 
 from contract.tokenizer import ByteTokenizer
 
@@ -44,11 +44,8 @@ def models_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module", params=["colocated", "deployment"])
 def app(request, serve_port, models_dir):
     """Both models served by one application, once per placement (metrics are recorded in different places)."""
-    from ray import serve
-
-    served = deploy(serve_port, f"{APP}-{request.param}", models_dir, placement=request.param)
-    yield served
-    serve.delete(served.name)
+    with deployed(serve_port, f"{APP}-{request.param}", models_dir, request.param) as served:
+        yield served
 
 
 def test_pruned_and_unpruned_models_are_listed_answer_like_ort_and_carry_their_heads_label(
