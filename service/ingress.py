@@ -28,11 +28,10 @@ from service.http.limits import read_body
 from service.http.server import HttpServer
 from service.metrics import GAUGE_REFRESH_S, UNKNOWN_MODEL, IngressMetrics, model_labels
 from service.placement import Colocated, ModelPlacement, Remote
-from service.protocol import simple, v2
-from service.responses import json_response
+from service.protocol import binary, simple, v2
+from service.responses import binary_response, json_response
 
 logger = logging.getLogger(__name__)
-BINARY_HEADER = "inference-header-content-length"  # tritonclient's binary tensor data
 CLIENT_CLOSED = 499  # nginx's code for a request whose client closed the connection first (metrics only)
 BodyT = TypeVar("BodyT", bound=BaseModel)
 
@@ -56,11 +55,8 @@ def describe(status: ModelStatus) -> dict[str, Any]:
     return out
 
 
-def parse_body(raw: bytes, binary: str | None, model: type[BodyT]) -> BodyT:
-    """The JSON body as `model`, whatever the Content-Type (curl -d sends form-encoded); 400 naming the problem.
-    `binary`: the request's binary-data header, which this server refuses."""
-    if binary is not None and binary.strip() != str(len(raw)):
-        raise BadRequestError("binary tensor data is not supported; send JSON tensor data (binary_data=False)")
+def parse_body(raw: bytes, model: type[BodyT]) -> BodyT:
+    """The JSON body as `model`, whatever the Content-Type (curl -d sends form-encoded); 400 naming the problem."""
     try:
         return model.model_validate_json(raw)
     except ValidationError as exc:
@@ -169,11 +165,17 @@ class Ingress:
         async def work(status: ModelStatus | None) -> Response:
             self._check_version(name, version)
             model = self._model(name)  # 404 before the body is read
-            body = await self._body(request, v2.InferRequest)
+            raw = await read_body(request, self.limits)
+            header, blob = binary.split(raw, request.headers.get(binary.HEADER))
+            body = parse_body(header, v2.InferRequest)
+            binary.attach(body, blob)
             meta = _ready(name, status).metadata
             v2.requested_outputs(body)
+            as_binary = binary.wants_binary(body)
             rows = v2.decode(body, meta, self.limits.max_rows)
             result = await model.infer(rows.ids, rows.mask, self._alone())
+            if as_binary:
+                return binary_response(*binary.infer_response(name, body, result.logits), binary.HEADER_NAME)
             return json_response(v2.infer_response(name, body, result.logits))
 
         return await self._measured("v2_infer", name, work)
@@ -210,8 +212,10 @@ class Ingress:
         return await self._measured("v1_attention", name, work)
 
     async def _body(self, request: Request, model: type[BodyT]) -> BodyT:
-        """The request's body, read within the limits and parsed as `model`."""
-        return parse_body(await read_body(request, self.limits), request.headers.get(BINARY_HEADER), model)
+        """The request's JSON body, read within the limits and parsed as `model` (binary tensor data is v2's only)."""
+        if binary.HEADER in request.headers:
+            raise BadRequestError(f"binary tensor data ({binary.HEADER_NAME}) is for POST /v2/models/{{name}}/infer")
+        return parse_body(await read_body(request, self.limits), model)
 
     def _alone(self) -> bool:
         """Whether the inference request asking is the only request in progress in this replica, counting those
@@ -279,7 +283,8 @@ class Ingress:
         return json_response({"ready": True})
 
     def server_metadata(self) -> dict[str, Any]:
-        return {"name": self._config.server_name, "version": package_version("mha-serving"), "extensions": []}
+        version = package_version("mha-serving")
+        return {"name": self._config.server_name, "version": version, "extensions": [binary.EXTENSION]}
 
     async def model_metadata(self, name: str, version: str | None = None) -> dict[str, Any]:
         self._check_version(name, version)

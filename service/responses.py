@@ -20,6 +20,11 @@ def json_response(body: Any, status: int = 200, headers: dict[str, str] | None =
     return Response(orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY), status, headers, JSON)
 
 
+def binary_response(header: bytes, data: bytes, header_length_name: str) -> Response:
+    """A JSON header followed by raw bytes, the header's length in `header_length_name` (v2's binary extension)."""
+    return Response(header + data, 200, {header_length_name: str(len(header))}, "application/octet-stream")
+
+
 def error_response(exc: BaseException) -> Response:
     """The HTTP answer to an error raised while handling a request."""
     if isinstance(exc, ServiceError):

@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException
 from service import attention_api, openapi
 from service.errors import ServiceError
 from service.http.limits import RequestLimitsMiddleware
-from service.protocol import simple, v2
+from service.protocol import binary, simple, v2
 from service.responses import error_response, json_response
 
 if TYPE_CHECKING:
@@ -133,7 +133,8 @@ def _inference_docs() -> list[APIRoute]:
             _versioned if "{version}" in route.path else _named,
             methods=["POST"],
             name=route.name,
-            openapi_extra=openapi.request_body(route.body),
+            openapi_extra=openapi.request_body(route.body)
+            | ({"description": binary.DESCRIPTION} if route.body is v2.InferRequest else {}),
             responses=openapi.responses(route.answer, 404, 503, *openapi.WITH_BODY),
         )
         for route in INFERENCE_ROUTES

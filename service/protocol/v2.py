@@ -117,8 +117,6 @@ def _tensor(inputs: dict[str, RequestInput], name: str, datatype: str) -> Reques
         return None
     if tensor.datatype != datatype:
         raise BadRequestError(f"input {name!r} must have datatype {datatype}, got {tensor.datatype}")
-    if tensor.parameters and "binary_data_size" in tensor.parameters:
-        raise BadRequestError(f"input {name!r} is sent as binary data; this server takes JSON tensor data only")
     if tensor.data is None:
         raise BadRequestError(f"input {name!r} has no 'data'")
     return tensor
