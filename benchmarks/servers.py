@@ -89,7 +89,7 @@ class ServerProcess:
         """`tree`: another checkout of the project whose `service` package serves instead of this one (its path
         first on every Ray process's sys.path), to compare two versions of the code in one run."""
         self.config, self.extra_args, self.timeout_s, self.tree = config, extra_args or [], timeout_s, tree
-        self.port, self.metrics_port = free_port(), free_port()
+        self.port, self.metrics_port, self.grpc_port = free_port(), free_port(), free_port()
         self.ready_s = float("nan")
         self.stop_s = float("nan")
         self._proc: subprocess.Popen | None = None
@@ -100,6 +100,8 @@ class ServerProcess:
         path.write_text(yaml.safe_dump(self.config))
         cmd = [sys.executable, "-m", "service.cli", "serve", "--config", str(path), "--port", str(self.port)]
         cmd += ["--metrics-port", str(self.metrics_port), *self.extra_args]
+        if self.tree is None:  # another checkout's launcher may predate gRPC (and its flag): it opens no gRPC port then
+            cmd += ["--grpc-port", str(self.grpc_port)]
         start = time.perf_counter()
         log = open(Path(self._dir.name) / "serve.log", "w")
         env = None

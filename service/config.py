@@ -144,13 +144,26 @@ class IngressSettings(BaseModel):
         description="the ingress replica serves HTTP itself on this port (its own uvicorn server; one replica); "
         "None: requests come through Serve's HTTP proxy",
     )
-    host: str = Field("127.0.0.1", description="the address the ingress's own server listens on (with `port`)")
+    host: str = Field("127.0.0.1", description="the address the ingress's own servers listen on (`port`, `grpc_port`)")
+    grpc_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="the ingress replica serves the Open Inference Protocol's gRPC service and grpc.health.v1 on this "
+        "port (one replica); None: no gRPC",
+    )
     access_log: bool = Field(False, description="the ingress's own server logs a line per request (with `port`)")
 
     @model_validator(mode="after")
     def _one_replica_on_a_port(self) -> IngressSettings:
-        if self.port is not None and (self.num_replicas != 1 or self.autoscaling is not None):
-            raise ValueError("ingress.port: one ingress replica listens on a port; set num_replicas 1, no autoscaling")
+        one = self.num_replicas == 1 and self.autoscaling is None
+        for key in ("port", "grpc_port"):
+            if getattr(self, key) is not None and not one:
+                raise ValueError(
+                    f"ingress.{key}: one ingress replica listens on a port; set num_replicas 1, no autoscaling"
+                )
+        if self.port is not None and self.port == self.grpc_port:
+            raise ValueError(f"ingress.grpc_port: {self.grpc_port} is also ingress.port; give gRPC a port of its own")
         return self
 
     def scaling(self) -> dict:

@@ -30,10 +30,14 @@ from service.metrics import GAUGE_REFRESH_S, UNKNOWN_MODEL, IngressMetrics, mode
 from service.placement import Colocated, ModelPlacement, Remote
 from service.protocol import binary, simple, v2
 from service.responses import binary_response, json_response
+from service.rpc import inference_pb2 as pb
+from service.rpc import tensors
+from service.rpc.server import GrpcServer
 
 logger = logging.getLogger(__name__)
 CLIENT_CLOSED = 499  # nginx's code for a request whose client closed the connection first (metrics only)
 BodyT = TypeVar("BodyT", bound=BaseModel)
+AnswerT = TypeVar("AnswerT")  # an HTTP response or a gRPC message
 
 
 def describe(status: ModelStatus) -> dict[str, Any]:
@@ -111,15 +115,20 @@ class Ingress:
         self._server = None
         if ingress.port is not None:
             self._server = HttpServer(self._app, ingress.host, ingress.port, self.limits, ingress.access_log)
+        self._grpc = None
+        if ingress.grpc_port is not None:
+            self._grpc = GrpcServer(self, ingress.host, ingress.grpc_port, self.limits)
 
     def __serve_build_asgi_app__(self):
         """Serve's hook for an application built by the replica: the one application, for Serve's proxy."""
         return self._app
 
     def check_health(self) -> None:
-        """Serve's health check: the replica's own HTTP server must still be serving."""
+        """Serve's health check: the replica's own HTTP and gRPC servers must still be serving."""
         if self._server is not None:
             self._server.check()
+        if self._grpc is not None:
+            self._grpc.check()
 
     # ---- drain (the local launcher calls these through a handle) ----
     def drain(self) -> int:
@@ -164,21 +173,38 @@ class Ingress:
 
         async def work(status: ModelStatus | None) -> Response:
             self._check_version(name, version)
-            model = self._model(name)  # 404 before the body is read
+            self._model(name)  # 404 before the body is read
             raw = await read_body(request, self.limits)
             header, blob = binary.split(raw, request.headers.get(binary.HEADER))
             body = parse_body(header, v2.InferRequest)
             binary.attach(body, blob)
-            meta = _ready(name, status).metadata
-            v2.requested_outputs(body)
             as_binary = binary.wants_binary(body)
-            rows = v2.decode(body, meta, self.limits.max_rows)
-            result = await model.infer(rows.ids, rows.mask, self._alone())
+            logits = await self._v2_logits(name, status, body, self._alone())
             if as_binary:
-                return binary_response(*binary.infer_response(name, body, result.logits), binary.HEADER_NAME)
-            return json_response(v2.infer_response(name, body, result.logits))
+                return binary_response(*binary.infer_response(name, body, logits), binary.HEADER_NAME)
+            return json_response(v2.infer_response(name, body, logits))
 
         return await self._measured("v2_infer", name, work)
+
+    async def infer_message(self, message: pb.ModelInferRequest) -> pb.ModelInferResponse:
+        """Open Inference Protocol inference over gRPC: decoded into the same v2 request, batched and measured the
+        same way. Never run on the event loop: requests waiting inside gRPC are not seen by `_alone`."""
+        name = message.model_name
+
+        async def work(status: ModelStatus | None) -> pb.ModelInferResponse:
+            self._check_version(name, message.model_version or None)
+            self._model(name)
+            body = tensors.to_request(message)
+            return tensors.to_response(name, body, await self._v2_logits(name, status, body, alone=False))
+
+        return await self._measured("grpc_infer", name, work)
+
+    async def _v2_logits(self, name: str, status: ModelStatus | None, body: v2.InferRequest, alone: bool):
+        """A decoded v2 request's logits (B, C) from model `name`."""
+        meta = _ready(name, status).metadata
+        v2.requested_outputs(body)
+        rows = v2.decode(body, meta, self.limits.max_rows)
+        return (await self._model(name).infer(rows.ids, rows.mask, alone)).logits
 
     async def predict(self, request: Request, name: str) -> Response:
         """Simple JSON inference, with the request's timing."""
@@ -225,8 +251,8 @@ class Ingress:
         return server is not None and self._in_flight <= 1 and server.requests_in_progress() <= 1
 
     async def _measured(
-        self, endpoint: str, name: str, work: Callable[[ModelStatus | None], Awaitable[Response]]
-    ) -> Response:
+        self, endpoint: str, name: str, work: Callable[[ModelStatus | None], Awaitable[AnswerT]]
+    ) -> AnswerT:
         """The one place that records request metrics: runs one inference request's `work` with its model's status
         (None for an unknown model), recording latency, status code, rejections and in-flight, and refusing it when
         over limits.max_in_flight."""
@@ -247,7 +273,7 @@ class Ingress:
                     "retry later"
                 )
             response = await work(status)
-            code = response.status_code
+            code = getattr(response, "status_code", 200)  # an HTTP response's, else a gRPC answer: OK
             return response
         except ServiceError as exc:  # answered by the application's error mapping (service/http/api.py)
             code, rejected = exc.status, isinstance(exc, OverCapacityError)
@@ -273,14 +299,17 @@ class Ingress:
             await asyncio.sleep(GAUGE_REFRESH_S)
 
     # ---- health and metadata ----
-    async def ready(self) -> Response:
+    async def not_ready(self) -> str | None:
+        """Why the server is not ready (draining, or models not loaded), or None when it is."""
         if self._draining:
-            return json_response({"ready": False, "error": "shutting down"}, 503)
+            return "shutting down"
         statuses = await asyncio.gather(*(self._status(n, live=True) for n in self._models))
         waiting = {s.name: s.reason for s in statuses if not s.ready}
-        if waiting:
-            return json_response({"ready": False, "error": f"models not ready: {waiting}"}, 503)
-        return json_response({"ready": True})
+        return f"models not ready: {waiting}" if waiting else None
+
+    async def ready(self) -> Response:
+        why = await self.not_ready()
+        return json_response({"ready": True}) if why is None else json_response({"ready": False, "error": why}, 503)
 
     def server_metadata(self) -> dict[str, Any]:
         version = package_version("mha-serving")
@@ -290,9 +319,16 @@ class Ingress:
         self._check_version(name, version)
         return v2.model_metadata(_ready(name, await self._status(name)).metadata)
 
-    async def model_ready(self, name: str, version: str | None = None) -> Response:
+    async def model_status(self, name: str, version: str | None = None) -> ModelStatus:
+        """A model's status, asked afresh; ModelNotFoundError for an unknown model or version."""
         self._check_version(name, version)
-        status = await self._status(name, live=True)
+        return await self._status(name, live=True)
+
+    async def model_is_ready(self, name: str, version: str | None = None) -> bool:
+        return (await self.model_status(name, version)).ready
+
+    async def model_ready(self, name: str, version: str | None = None) -> Response:
+        status = await self.model_status(name, version)
         if not status.ready:
             return json_response({"name": name, "ready": False, "error": status.reason}, 503)
         return json_response({"name": name, "ready": True})

@@ -28,6 +28,11 @@ class Served:
     def client(self, **kwargs) -> httpx.Client:
         return httpx.Client(base_url=self.base_url, timeout=30, **kwargs)
 
+    @property
+    def grpc_url(self) -> str:
+        """host:port of the ingress's gRPC server (the app's `ingress.grpc_port`)."""
+        return f"127.0.0.1:{self.config['ingress']['grpc_port']}"
+
 
 def start_ray_and_serve(metrics_port: int | None = None) -> int:
     """An embedded local Ray of its own (never another session's cluster) with Serve on a free port.
@@ -74,11 +79,11 @@ def deploy(port: int, name: str, models_dir: Path, placement: str = "auto", **co
 
 
 @contextlib.contextmanager
-def deployed(port: int, name: str, models_dir: Path, placement: str) -> Iterator[Served]:
+def deployed(port: int, name: str, models_dir: Path, placement: str, **config) -> Iterator[Served]:
     """`deploy`, and the application deleted afterwards (a module's own application beside the session's)."""
     from ray import serve
 
-    served = deploy(port, name, models_dir, placement=placement)
+    served = deploy(port, name, models_dir, placement=placement, **config)
     try:
         yield served
     finally:

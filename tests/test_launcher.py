@@ -99,6 +99,7 @@ def test_up_finds_which_default_models_are_missing(tiny_models_dir, tmp_path):
 def test_serve_starts_answers_on_its_port_and_stops_cleanly_on_sigterm(tiny_models_dir, tmp_path, access_log):
     port, metrics_port = free_port(), free_port()
     cmd = [sys.executable, "-m", "service.cli", "serve", "--models", str(tiny_models_dir), "--port", str(port)]
+    cmd += ["--grpc-port", str(free_port())]
     cmd += ["--metrics-port", str(metrics_port), "--num-cpus", "2", *(["--access-log"] if access_log else [])]
     log = tmp_path / "serve.log"
     with log.open("w") as out:

@@ -25,6 +25,7 @@ from service.model_store import find_models
 
 APP_NAME = "mha"
 DEFAULT_PORT = 8000
+DEFAULT_GRPC_PORT = 8001  # Triton's gRPC port; KServe's is 8081
 DEFAULT_METRICS_PORT = 8080  # Ray's metrics export port: every replica's series on one /metrics URL
 
 
@@ -42,6 +43,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="the API's address; Ray's own ports stay on loopback unless it is another (default: 127.0.0.1)",
     )
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"HTTP port (default: {DEFAULT_PORT})")
+    p.add_argument(
+        "--grpc-port",
+        type=int,
+        default=DEFAULT_GRPC_PORT,
+        help=f"Open Inference Protocol gRPC and grpc.health.v1 port; 0: no gRPC (default: {DEFAULT_GRPC_PORT})",
+    )
     p.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT, help="Prometheus port (default: 8080)")
     p.add_argument("--config", type=Path, help="YAML: AppConfig fields, or a Serve config file (its first app's args)")
     p.add_argument("--num-cpus", type=float, help="logical CPUs for the local Ray (default: enough for every replica)")
@@ -89,15 +96,18 @@ class LocalServe:
     num_cpus: float | None = None  # None: enough logical CPUs for every replica
     dashboard: bool = False
     access_log: bool = False
+    grpc_port: int | None = None  # the ingress replica's gRPC port; None: no gRPC
 
 
 def local_config(config: AppConfig, opts: LocalServe) -> AppConfig:
-    """`config` as this server runs it: the ingress listening on the API's address itself, unless through Serve's
-    proxy; LaunchError if the config then does not hold (more than one ingress replica on the port, say)."""
-    if not opts.direct:
-        return config
+    """`config` as this server runs it: the ingress listening on the API's address itself (unless through Serve's
+    proxy) and on the gRPC port; LaunchError if the config then does not hold (more than one ingress replica on a
+    port, say)."""
     raw = config.model_dump(exclude_unset=True)
-    raw["ingress"] = {**raw.get("ingress", {}), "port": opts.port, "host": opts.host, "access_log": opts.access_log}
+    ingress = {**raw.get("ingress", {}), "host": opts.host, "grpc_port": opts.grpc_port}
+    if opts.direct:
+        ingress.update(port=opts.port, access_log=opts.access_log)
+    raw["ingress"] = ingress
     return _validated(raw)
 
 
@@ -159,6 +169,8 @@ def report(args: argparse.Namespace) -> None:
         ("OpenAPI docs", "/docs"),
     ]:
         print(f"  {label:<30} {base}{path}")
+    if args.grpc_port:
+        print(f"  {'gRPC (inference, grpc.health.v1)':<30} {shown}:{args.grpc_port}")
     print(f"  {'metrics (Prometheus)':<30} http://{shown}:{args.metrics_port}/metrics")
     for m in models:
         if m["ready"]:
@@ -173,11 +185,13 @@ def report(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     opts = LocalServe(args.host, args.port, args.metrics_port, not args.proxy, args.num_cpus)
-    opts = replace(opts, dashboard=args.dashboard, access_log=args.access_log)
+    opts = replace(opts, dashboard=args.dashboard, access_log=args.access_log, grpc_port=args.grpc_port or None)
     try:
         config = local_config(load_config(args), opts)
         find_models(config.models_dir, config.models)
         ports.check_port(args.host, args.port, "HTTP", "--port")
+        if args.grpc_port:
+            ports.check_port(args.host, args.grpc_port, "gRPC", "--grpc-port")
         ports.check_port(ports.ray_host(args.host), args.metrics_port, "metrics", "--metrics-port")
     except (LaunchError, ModelFileError, ports.PortError) as exc:
         print(f"mha-serving serve: {exc}", file=sys.stderr)

@@ -66,7 +66,7 @@ def attach(request: InferRequest, blob: memoryview | None) -> None:
             raise BadRequestError(
                 f"the inputs' binary_data_size add up to more than the {len(blob)} bytes after the JSON header"
             )
-        tensor.data = _decode(tensor, blob[offset : offset + size])
+        tensor.data = decode_tensor(tensor, blob[offset : offset + size])
         offset += size
     if blob is not None and offset != len(blob):
         raise BadRequestError(
@@ -75,7 +75,8 @@ def attach(request: InferRequest, blob: memoryview | None) -> None:
         )
 
 
-def _decode(tensor: RequestInput, chunk: memoryview) -> np.ndarray | list[str]:
+def decode_tensor(tensor: RequestInput, chunk: memoryview) -> np.ndarray | list[str]:
+    """One input's raw bytes (binary tensor data, or gRPC's raw_input_contents) as INT64 values or BYTES strings."""
     if any(d < 0 for d in tensor.shape):
         raise BadRequestError(f"input {tensor.name!r}: shape {tensor.shape} has a negative dimension")
     count = math.prod(tensor.shape)
