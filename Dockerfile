@@ -69,6 +69,7 @@ WORKDIR /home/ray
 # SIGTERM drains (readiness 503 at once, requests in progress get limits.drain_s, 8 s) and stops Ray in about 2 s:
 # idle it exits in 2-3 s; with requests in progress up to about 10 s, so run with --stop-timeout 15 (README).
 STOPSIGNAL SIGTERM
-# Serve HTTP and Ray's Prometheus metrics; KubeRay replaces the command with `ray start` and deploys serveConfigV2.
-EXPOSE 8000 8080
+# Serve HTTP, gRPC (the Open Inference Protocol and grpc.health.v1) and Ray's Prometheus metrics; KubeRay replaces
+# the command with `ray start` and deploys serveConfigV2.
+EXPOSE 8000 8001 8080
 CMD ["mha-serving", "serve", "--models", "/home/ray/models", "--host", "0.0.0.0", "--port", "8000"]

@@ -19,7 +19,10 @@ SCRIPT = ROOT / "deploy" / "image_check.sh"
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 STAND_IN_WORK = Path(os.environ.get("MHA_IMAGE_WORK", "/tmp/mha-image-check"))
 # import name -> distribution, where they differ
-DISTRIBUTION = {"yaml": "pyyaml", "onnxruntime": "onnxruntime", "ray": "ray"}
+DISTRIBUTION = {
+    **{"yaml": "pyyaml", "onnxruntime": "onnxruntime", "ray": "ray", "google": "protobuf", "grpc": "grpcio"},
+    **{"grpc_health": "grpcio-health-checking", "grpc_tools": "grpcio-tools"},
+}
 ORT = {"onnxruntime", "onnxruntime-gpu"}  # one of the two, from the cpu or the gpu extra
 
 
@@ -47,7 +50,8 @@ def test_the_serving_install_names_what_service_contract_and_loadtest_import_and
     extras = {name: requirement_names(reqs) for name, reqs in PYPROJECT["optional-dependencies"].items()}
     serving = ("service", "contract", "loadtest")
     imported = {DISTRIBUTION.get(n, n) for package in serving for n in third_party_imports(package)}
-    optional = {"matplotlib": "plots", "locust": "test"}  # imported lazily, only by the plots and the locustfile
+    # imported lazily, only by the plots, the locustfile and the gRPC stubs' generator
+    optional = {"matplotlib": "plots", "locust": "test", "grpcio-tools": "test"}
     missing = imported - dependencies - ORT - set(optional)
     assert not missing, f"imported by service/, contract/ or loadtest/ but not in the dependencies: {sorted(missing)}"
     assert not dependencies & {"torch", "onnx", "onnxscript", "matplotlib", "onnxruntime", "onnxruntime-gpu"}
