@@ -29,6 +29,7 @@ import yaml
 from benchmarks.servers import ServerProcess, cpu_seconds, paused
 from benchmarks.stage_profile import stage_shares, table
 from contract.metadata import MODEL_FILE, config_name
+from loadtest import grpc_client
 from loadtest.http_client import LoadResult, load, post_bytes
 from service.local.ports import free_port
 from service.runtime import SPINNING, load_runtime
@@ -58,15 +59,31 @@ def ensure_variant(models_dir: Path, name: str, precision: str = "int8") -> str:
     return variant
 
 
+def request_ids(n: int, batch: int = 1, seed: int = 0) -> list[np.ndarray]:
+    """n different (batch, TOKENS) token-id arrays: the same requests in every protocol."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(4, 260, size=(batch, TOKENS)) for _ in range(n)]  # each (B, T)
+
+
 def request_bodies(n: int, batch: int = 1, seed: int = 0) -> list[bytes]:
     """n different v2 JSON bodies of `batch` rows x TOKENS token ids."""
-    rng = np.random.default_rng(seed)
     bodies = []
-    for _ in range(n):
-        ids = rng.integers(4, 260, size=(batch, TOKENS))  # (B, T)
-        tensor = {"name": "input_ids", "datatype": "INT64", "shape": [batch, TOKENS], "data": ids.ravel().tolist()}
+    for ids in request_ids(n, batch, seed):
+        tensor = {"name": "input_ids", "datatype": "INT64", "shape": list(ids.shape), "data": ids.ravel().tolist()}
         bodies.append(json.dumps({"inputs": [tensor]}).encode())
     return bodies
+
+
+def binary_requests(path: str, n: int) -> list[bytes]:
+    """The same requests in the binary tensor data extension, logits asked back binary (tritonclient's defaults)."""
+    out = []
+    for ids in request_ids(n):
+        raw = ids.astype("<i8").tobytes()
+        tensor = {"name": "input_ids", "datatype": "INT64", "shape": list(ids.shape)}
+        tensor["parameters"] = {"binary_data_size": len(raw)}
+        header = json.dumps({"inputs": [tensor], "parameters": {"binary_data_output": True}}).encode()
+        out.append(post_bytes(path, header + raw, {"Inference-Header-Content-Length": str(len(header))}))
+    return out
 
 
 # The in-process layouts the bar's batched rate is the best of: label -> (ORT threads per session, sessions running
@@ -174,21 +191,26 @@ def loaded_stages(port: int, name: str, seconds: float, concurrency: int, pid: i
 Side = tuple[Callable[[float], dict], object]  # (measure for `seconds`, the server it measures, or None: in process)
 
 
-def served_sides(port: int, name: str, concurrency: int, server, prefix: str) -> dict[str, Side]:
+def load_sides(loader: Callable[[int, float], LoadResult], concurrency: int, server, prefix: str) -> dict[str, Side]:
     """A served model as two sides of the rounds: its c=1 p50 (`{prefix} c=1`) and its c=`concurrency` rate
-    (`{prefix} loaded`), each after WARMUP_S."""
-    requests = [post_bytes(f"/v2/models/{name}/infer", b) for b in request_bodies(64)]
+    (`{prefix} loaded`), `loader(concurrency, seconds)` measuring each after WARMUP_S."""
 
     def single(seconds: float) -> dict:
-        result = load(port, requests, 1, seconds, WARMUP_S)
+        result = loader(1, seconds)
         return {"c1_p50_ms": result.percentile_ms(50), "errors": result.errors}
 
     def loaded(seconds: float) -> dict:
-        result = load(port, requests, concurrency, seconds, WARMUP_S)
+        result = loader(concurrency, seconds)
         p50, p99 = result.percentile_ms(50), result.percentile_ms(99)
         return {"rate": result.rate, "loaded_p50_ms": p50, "loaded_p99_ms": p99, "errors": result.errors}
 
     return {f"{prefix} c=1": (single, server), f"{prefix} loaded": (loaded, server)}
+
+
+def served_sides(port: int, name: str, concurrency: int, server, prefix: str) -> dict[str, Side]:
+    """A served model's sides (`load_sides`) under v2 JSON requests over HTTP."""
+    requests = [post_bytes(f"/v2/models/{name}/infer", b) for b in request_bodies(64)]
+    return load_sides(lambda c, seconds: load(port, requests, c, seconds, WARMUP_S), concurrency, server, prefix)
 
 
 def interleaved(parts: dict[str, dict[str, Side]]) -> dict[str, Side]:
@@ -319,12 +341,14 @@ BAR = {
     "int8_c1_p50_over_fp32": 0.6,  # <=
     "int8_file_over_fp32": 0.3,  # <=
     "five_int8_pss_over_fp32": 0.7,  # <=
+    "grpc_c32_over_http_json": 0.95,  # >=
 }
 AT_MOST = {
     *("small_c1_over_bare_ms", "default_c1_over_bare_ms", "five_c1_p50_over_alone", "five_pss_mib", "five_ready_s"),
     *("int8_c1_p50_over_fp32", "int8_file_over_fp32", "five_int8_pss_over_fp32"),
 }
 PRECISION_RUN = "serve (default fp32 and int8)"
+PROTOCOL_RUN = "serve (default model, three ways in)"
 
 
 def per_round(bare: dict, plain: dict | None, runs: dict[str, dict]) -> dict[str, list[float]]:
@@ -361,6 +385,11 @@ def per_round(bare: dict, plain: dict | None, runs: dict[str, dict]) -> dict[str
         out["int8_bare_b1_p50_over_fp32"] = paired(bare_int8, bare_fp32, "p50_ms", "p50_ms", operator.truediv)
         out["int8_bare_batched_over_fp32"] = paired(bare_int8, bare_fp32, "best_rate", "best_rate", operator.truediv)
         out["int8_file_over_fp32"] = [both["file_bytes"]["int8"] / both["file_bytes"]["fp32"]]
+    if (ways := runs.get(PROTOCOL_RUN)) is not None:
+        json_, binary_, grpc_ = ways["http json"], ways["http binary"], ways["grpc"]
+        out["grpc_c32_over_http_json"] = paired(grpc_, json_, "rate", "rate", operator.truediv)
+        out["grpc_c1_minus_http_json_ms"] = paired(grpc_, json_, "c1_p50_ms", "c1_p50_ms", operator.sub)
+        out["binary_c32_over_http_json"] = paired(binary_, json_, "rate", "rate", operator.truediv)
     five_fp32, five_int8 = runs.get("serve (five default models, fp32)"), runs.get("serve (five default models, int8)")
     if five_fp32 is not None and five_int8 is not None:
         out["five_int8_pss_over_fp32"] = [five_int8["rss_mib"]["Pss"] / five_fp32["rss_mib"]["Pss"]]
@@ -446,6 +475,31 @@ def precisions(args, fp32: str, fp32_scan: dict, five: list[str]) -> dict[str, d
     return out
 
 
+def protocols(args, name: str) -> dict[str, dict]:
+    """The default model served once, measured in the same rounds through v2 JSON over HTTP, the binary tensor data
+    extension over HTTP, and gRPC (raw input contents), the same requests each way."""
+    print("the default model through HTTP JSON, HTTP binary and gRPC...", flush=True)
+    with serve(args.models, {"default": name}, "colocated", args) as server:
+        run = started(server, [name])
+        path = f"/v2/models/{name}/infer"
+        binary = binary_requests(path, 64)
+        messages = [grpc_client.infer_message(name, ids) for ids in request_ids(64)]
+        grpc_url = f"127.0.0.1:{server.grpc_port}"
+        parts = {
+            "http json": served_sides(server.port, name, args.concurrency, server, "http json"),
+            "http binary": load_sides(
+                lambda c, s: load(server.port, binary, c, s, WARMUP_S), args.concurrency, server, "http binary"
+            ),
+            "grpc": load_sides(
+                lambda c, s: grpc_client.load(grpc_url, messages, c, s, WARMUP_S), args.concurrency, server, "grpc"
+            ),
+        }
+        got = rounds(interleaved(parts), args.rounds, args.seconds)
+    for label in parts:
+        run[label] = joined(got, label)
+    return {PROTOCOL_RUN: run}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.serving", description=__doc__.splitlines()[0])
     p.add_argument("--models", type=Path, default=Path("runs/bench-models"), help="where the models live")
@@ -459,8 +513,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--scenarios",
         type=lambda v: set(v.split(",")),
-        default={"plain", "colocated", "deployment", "five", "int8"},
-        help="which servers to measure besides bare ORT (default: plain,colocated,deployment,five,int8)",
+        default={"plain", "colocated", "deployment", "five", "int8", "protocols"},
+        help="which servers to measure besides bare ORT (default: plain,colocated,deployment,five,int8,protocols)",
     )
     p.add_argument(
         "--versus",
@@ -558,6 +612,8 @@ def main(argv: list[str] | None = None) -> int:
         runs["serve (default model alone)"], runs["serve (five default models)"] = alone_run, five_run
     if "int8" in args.scenarios:
         runs.update(precisions(args, names["default"], scans["default"], five))
+    if "protocols" in args.scenarios:
+        runs.update(protocols(args, names["default"]))
     figures = per_round(bare, plain, runs)
     report(bare, plain, runs, figures, args)
     if args.json:

@@ -168,9 +168,10 @@ class LoadResult:
         return float(np.percentile(self.latencies_s, q) * 1e3) if self.latencies_s.size else float("nan")
 
 
-def post_bytes(path: str, body: bytes) -> bytes:
+def post_bytes(path: str, body: bytes, headers: dict[str, str] | None = None) -> bytes:
     """A whole HTTP/1.1 POST of a JSON body to 127.0.0.1 (keep-alive, HTTP/1.1's default), ready to send as is."""
     head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    head += "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
     return (head + f"Content-Length: {len(body)}\r\n\r\n").encode() + body
 
 
@@ -179,7 +180,8 @@ def _body_length(head: bytes) -> int | None:
     lower = head.lower()
     if b"transfer-encoding: chunked" in lower:
         return None
-    start = lower.index(b"content-length:") + len(b"content-length:")
+    field = b"\r\ncontent-length:"  # at a line's start: not Inference-Header-Content-Length
+    start = lower.index(field) + len(field)
     return int(lower[start : lower.index(b"\r\n", start)])
 
 
