@@ -11,9 +11,9 @@ import time
 import grpc
 import numpy as np
 
+from contract.rpc import inference_pb2 as pb
+from contract.rpc import inference_pb2_grpc as pb_grpc
 from loadtest.http_client import LoadResult
-from service.rpc import inference_pb2 as pb
-from service.rpc import inference_pb2_grpc as pb_grpc
 
 
 def infer_message(model: str, ids: np.ndarray) -> pb.ModelInferRequest:

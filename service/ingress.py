@@ -18,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from contract.rpc import inference_pb2 as pb
 from service import attention_api
 from service.coalescer import Coalescer
 from service.config import AppConfig
@@ -30,7 +31,6 @@ from service.metrics import GAUGE_REFRESH_S, UNKNOWN_MODEL, IngressMetrics, mode
 from service.placement import Colocated, ModelPlacement, Remote
 from service.protocol import binary, simple, v2
 from service.responses import binary_response, json_response
-from service.rpc import inference_pb2 as pb
 from service.rpc import tensors
 from service.rpc.server import GrpcServer
 

@@ -19,11 +19,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from serving import bare_logits, deployed
 
+from contract.rpc import generate
+from contract.rpc import inference_pb2 as pb
+from contract.rpc import inference_pb2_grpc as pb_grpc
 from contract.tokenizer import ByteTokenizer
 from service.local.ports import free_port
-from service.rpc import generate
-from service.rpc import inference_pb2 as pb
-from service.rpc import inference_pb2_grpc as pb_grpc
 
 NAME = "mha-h4-d32"
 MAX_BODY_BYTES = 64 * 1024
@@ -66,7 +66,7 @@ def test_every_message_and_field_is_numbered_as_tritonclients_own():
 def test_the_generated_stubs_are_what_the_proto_generates(tmp_path):
     generate.generate(tmp_path)
     for name in ("inference_pb2.py", "inference_pb2_grpc.py"):
-        assert filecmp.cmp(tmp_path / "service/rpc" / name, generate.ROOT / "service/rpc" / name, shallow=False), name
+        assert filecmp.cmp(tmp_path / "contract/rpc" / name, generate.ROOT / "contract/rpc" / name, shallow=False), name
 
 
 @pytest.fixture(scope="module", params=["colocated", "deployment"])

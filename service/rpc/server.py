@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from contract.rpc import inference_pb2 as pb
+from contract.rpc import inference_pb2_grpc as pb_grpc
 from service.config import RequestLimits
 from service.errors import OverCapacityError, ServiceError
-from service.rpc import inference_pb2 as pb
-from service.rpc import inference_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
     from service.ingress import Ingress

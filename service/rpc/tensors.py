@@ -10,9 +10,9 @@ from typing import Any
 import numpy as np
 
 from contract.metadata import LOGITS
+from contract.rpc import inference_pb2 as pb
 from service.errors import BadRequestError
 from service.protocol import binary, v2
-from service.rpc import inference_pb2 as pb
 
 
 def _value(parameter: pb.InferParameter) -> Any:

@@ -1,4 +1,4 @@
-"""`python -m service.rpc.generate`: the Python modules of inference.proto (messages and the service's stubs), written
+"""`python -m contract.rpc.generate`: the Python modules of inference.proto (messages and the service's stubs), written
 beside it by grpcio-tools' protoc. They are committed; tests/test_grpc.py checks that they match the .proto."""
 
 from __future__ import annotations
@@ -6,12 +6,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]  # the repository: the generated modules import `service.rpc....`
-PROTO = Path("service/rpc/inference.proto")
+ROOT = Path(__file__).resolve().parents[2]  # the repository: the generated modules import `contract.rpc....`
+PROTO = Path("contract/rpc/inference.proto")
 
 
 def generate(out: Path) -> None:
-    """inference_pb2.py and inference_pb2_grpc.py of PROTO under `out` (as service/rpc/...)."""
+    """inference_pb2.py and inference_pb2_grpc.py of PROTO under `out` (as contract/rpc/...)."""
     from grpc_tools import protoc
 
     out.mkdir(parents=True, exist_ok=True)
@@ -24,5 +24,5 @@ if __name__ == "__main__":
     try:
         generate(ROOT)
     except ModuleNotFoundError:
-        print("service.rpc.generate: grpcio-tools is not installed (pip install -e '.[test]')", file=sys.stderr)
+        print("contract.rpc.generate: grpcio-tools is not installed (pip install -e '.[test]')", file=sys.stderr)
         raise SystemExit(2) from None
