@@ -191,18 +191,25 @@ def loaded_stages(port: int, name: str, seconds: float, concurrency: int, pid: i
 Side = tuple[Callable[[float], dict], object]  # (measure for `seconds`, the server it measures, or None: in process)
 
 
-def load_sides(loader: Callable[[int, float], LoadResult], concurrency: int, server, prefix: str) -> dict[str, Side]:
+def load_sides(
+    loader: Callable[[int, float], LoadResult], concurrency: int, server, prefix: str, cpu_pid: int | None = None
+) -> dict[str, Side]:
     """A served model as two sides of the rounds: its c=1 p50 (`{prefix} c=1`) and its c=`concurrency` rate
-    (`{prefix} loaded`), `loader(concurrency, seconds)` measuring each after WARMUP_S."""
+    (`{prefix} loaded`), `loader(concurrency, seconds)` measuring each after WARMUP_S; with `cpu_pid`, also that
+    process's CPU per request under load (its warm-up included)."""
 
     def single(seconds: float) -> dict:
         result = loader(1, seconds)
         return {"c1_p50_ms": result.percentile_ms(50), "errors": result.errors}
 
     def loaded(seconds: float) -> dict:
+        cpu_before = cpu_seconds(cpu_pid) if cpu_pid is not None else 0.0
         result = loader(concurrency, seconds)
         p50, p99 = result.percentile_ms(50), result.percentile_ms(99)
-        return {"rate": result.rate, "loaded_p50_ms": p50, "loaded_p99_ms": p99, "errors": result.errors}
+        out = {"rate": result.rate, "loaded_p50_ms": p50, "loaded_p99_ms": p99, "errors": result.errors}
+        if cpu_pid is not None:
+            out["server_cpu_ms"] = (cpu_seconds(cpu_pid) - cpu_before) * 1e3 / max(1, result.requests)
+        return out
 
     return {f"{prefix} c=1": (single, server), f"{prefix} loaded": (loaded, server)}
 
@@ -485,19 +492,29 @@ def protocols(args, name: str) -> dict[str, dict]:
         binary = binary_requests(path, 64)
         messages = [grpc_client.infer_message(name, ids) for ids in request_ids(64)]
         grpc_url = f"127.0.0.1:{server.grpc_port}"
-        parts = {
-            "http json": served_sides(server.port, name, args.concurrency, server, "http json"),
-            "http binary": load_sides(
-                lambda c, s: load(server.port, binary, c, s, WARMUP_S), args.concurrency, server, "http binary"
-            ),
-            "grpc": load_sides(
-                lambda c, s: grpc_client.load(grpc_url, messages, c, s, WARMUP_S), args.concurrency, server, "grpc"
-            ),
+        json_ = [post_bytes(path, b) for b in request_bodies(64)]
+        loaders = {
+            "http json": lambda c, s: load(server.port, json_, c, s, WARMUP_S),
+            "http binary": lambda c, s: load(server.port, binary, c, s, WARMUP_S),
+            "grpc": lambda c, s: grpc_client.load(grpc_url, messages, c, s, WARMUP_S),
         }
+        pid = server.replica_pid("ingress")  # it runs the co-located model too: ORT's CPU is in its figure
+        parts = {k: load_sides(f, args.concurrency, server, k, cpu_pid=pid) for k, f in loaders.items()}
         got = rounds(interleaved(parts), args.rounds, args.seconds)
     for label in parts:
         run[label] = joined(got, label)
     return {PROTOCOL_RUN: run}
+
+
+def protocol_cpu(runs: dict[str, dict]) -> None:
+    """The ingress replica's CPU per request under load, each way in (the protocols scenario)."""
+    ways = runs.get(PROTOCOL_RUN)
+    if ways is None:
+        return
+    print(f"\n{PROTOCOL_RUN}: ingress replica CPU per request at c=32 (the model's ORT runs included)")
+    for label in ("http json", "http binary", "grpc"):
+        each = " ".join(f"{r['server_cpu_ms']:.2f}" for r in ways[label]["rounds"] if "server_cpu_ms" in r)
+        print(f"  {label:<12} {ways[label]['server_cpu_ms']:6.2f} ms  (rounds: {each})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -616,6 +633,7 @@ def main(argv: list[str] | None = None) -> int:
         runs.update(protocols(args, names["default"]))
     figures = per_round(bare, plain, runs)
     report(bare, plain, runs, figures, args)
+    protocol_cpu(runs)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         summary = {key: float(np.median(values)) for key, values in figures.items()}
