@@ -15,6 +15,7 @@ import sys
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -52,7 +53,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=float, default=2.0, help="seconds of unmeasured load before each level")
     p.add_argument("--seq-len", default="fixed:32", help="fixed:N | uniform:LO:HI (tokens, BOS included) | file:PATH")
     p.add_argument("--batch-size", type=int, default=1, help="sequences per request")
-    p.add_argument("--protocol", default="simple", choices=PROTOCOLS, help="simple JSON or Open Inference v2")
+    p.add_argument(
+        "--protocol", default="simple", choices=PROTOCOLS, help="simple JSON, Open Inference v2 (HTTP) or its gRPC"
+    )
+    p.add_argument(
+        "--grpc-url",
+        default="",
+        help="host:port of the gRPC service for --protocol grpc (default: --url's host, port 8001)",
+    )
     p.add_argument("--timeout", type=float, default=30.0, help="per-request timeout in seconds")
     p.add_argument("--max-outstanding", type=int, default=256, help="open loop: cap on requests in flight")
     p.add_argument("--ready-timeout", type=float, default=30.0, help="seconds to wait for a model to be ready")
@@ -201,6 +209,13 @@ def _fail(message: str, code: int) -> int:
     return code
 
 
+def _grpc_address(args: argparse.Namespace) -> str:
+    """host:port of the gRPC service: --grpc-url, else --url's host on port 8001; loopback unless allowed."""
+    address = args.grpc_url or f"{urlsplit(args.url).hostname or '127.0.0.1'}:8001"
+    check_loopback(f"http://{address}", args.allow_remote, flag="--grpc-url")
+    return address
+
+
 def _plan(args: argparse.Namespace) -> Plan:
     """The run's plan from the arguments (models still empty); ValueError names the first bad argument."""
     seq_len = SeqLenSpec.parse(args.seq_len)
@@ -218,6 +233,7 @@ def _plan(args: argparse.Namespace) -> Plan:
         seq_len=seq_len,
         batch_size=args.batch_size,
         protocol=args.protocol,
+        grpc_url=_grpc_address(args) if args.protocol == "grpc" else "",
         metrics_url=args.metrics_url,
         metrics_names=tuple(n.strip() for n in args.metrics_name.split(",") if n.strip()),
         metrics_match=_label_pairs(args.metrics_match),

@@ -41,11 +41,11 @@ class ModelInfo:
         return asdict(self)
 
 
-def check_loopback(url: str, allow_remote: bool) -> str:
+def check_loopback(url: str, allow_remote: bool, flag: str = "--url") -> str:
     """The URL without a trailing slash; RemoteURLError unless it is http(s) on a loopback host (or allowed)."""
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise RemoteURLError(f"--url {url!r} is not an http:// or https:// URL with a host")
+        raise RemoteURLError(f"{flag} {url!r} is not an http:// or https:// URL with a host")
     host = parts.hostname
     try:
         loopback = ipaddress.ip_address(host).is_loopback
@@ -53,7 +53,7 @@ def check_loopback(url: str, allow_remote: bool) -> str:
         loopback = host == "localhost" or host.endswith(".localhost")
     if not loopback and not allow_remote:
         raise RemoteURLError(
-            f"--url {url!r} is not a loopback address (127.0.0.1, ::1, localhost); "
+            f"{flag} {url!r} is not a loopback address (127.0.0.1, ::1, localhost); "
             "pass --allow-remote to load-test another machine"
         )
     return url.rstrip("/")

@@ -6,6 +6,7 @@ the window. No torch.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import grpc
@@ -13,7 +14,7 @@ import numpy as np
 
 from contract.rpc import inference_pb2 as pb
 from contract.rpc import inference_pb2_grpc as pb_grpc
-from loadtest.http_client import LoadResult
+from loadtest.http_client import HTTPError, LoadResult, Response
 
 
 def infer_message(model: str, ids: np.ndarray) -> pb.ModelInferRequest:
@@ -76,3 +77,40 @@ def load(url: str, messages: list, concurrency: int, seconds: float, warmup_s: f
     kept = [o for o in out if start <= o[2] <= deadline]
     ok = np.array([t for s, t, _ in kept if s == 200])
     return LoadResult(len(ok), sum(1 for s, _, _ in kept if s != 200), seconds, ok)
+
+
+# A failed call as the HTTP status the same error gets over HTTP, so the load tester's report counts both alike.
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 503,
+    grpc.StatusCode.UNAVAILABLE: 503,
+}
+
+
+class GrpcPool:
+    """One channel for a load-test phase, with ConnectionPool's `post(path, body)`: the body is a serialized request
+    message, the path the method; a failed call answers its HTTP twin's status and `{"error": details}`."""
+
+    def __init__(self, address: str, timeout_s: float) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._channel = grpc.aio.insecure_channel(address)
+        self._methods: dict[str, grpc.aio.UnaryUnaryMultiCallable] = {}
+
+    async def post(self, path: str, body: bytes) -> Response:
+        method = self._methods.get(path)
+        if method is None:
+            method = self._methods[path] = self._channel.unary_unary(path)  # bytes in, bytes out
+        try:
+            return Response(200, await method(body, timeout=self.timeout_s))
+        except grpc.aio.AioRpcError as exc:
+            code, details = exc.code(), exc.details() or ""
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise HTTPError("timeout", f"no answer within {self.timeout_s:g} s") from None
+            if code == grpc.StatusCode.UNAVAILABLE and "connect" in details.lower():
+                raise HTTPError("connect_error", f"cannot connect to {self.address}: {details}") from None
+            return Response(HTTP_STATUS.get(code, 500), json.dumps({"error": f"{code.name}: {details}"}).encode())
+
+    async def aclose(self) -> None:
+        await self._channel.close()

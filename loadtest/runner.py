@@ -16,6 +16,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from loadtest.discovery import ModelInfo
+from loadtest.grpc_client import GrpcPool
 from loadtest.http_client import ConnectionPool, HTTPError
 from loadtest.stats import LevelResult, latency_summary, percentile
 from loadtest.workload import RequestBody
@@ -146,7 +147,7 @@ class Recorder:
         )
 
 
-async def post(pool: ConnectionPool, path: str, body: RequestBody) -> tuple[str, str]:
+async def post(pool: ConnectionPool | GrpcPool, path: str, body: RequestBody) -> tuple[str, str]:
     """Send one request; ("", "") on HTTP 200, else (status code or transport error kind, message)."""
     try:
         response = await pool.post(path, body.content)
@@ -247,6 +248,9 @@ def _tls() -> ssl.SSLContext:
     return ssl.create_default_context()  # made once: loading the CA store takes ~0.1 s
 
 
-def make_pool(base_url: str, limits: Limits) -> ConnectionPool:
-    """Keep-alive connections to the service for one phase (as many as the phase has requests in flight)."""
-    return ConnectionPool(base_url, limits.timeout_s, _tls() if base_url.startswith("https") else None)
+def make_pool(address: str, limits: Limits, protocol: str = "simple") -> ConnectionPool | GrpcPool:
+    """Keep-alive connections to the service for one phase (as many as the phase has requests in flight), or for
+    `grpc` one channel to `address` (host:port) that carries them all."""
+    if protocol == "grpc":
+        return GrpcPool(address, limits.timeout_s)
+    return ConnectionPool(address, limits.timeout_s, _tls() if address.startswith("https") else None)

@@ -32,6 +32,7 @@ class Plan:
     seq_len: SeqLenSpec
     batch_size: int = 1
     protocol: str = "simple"
+    grpc_url: str = ""  # host:port of the gRPC service (protocol grpc)
     metrics_url: str = ""
     metrics_names: tuple[str, ...] = server_metrics.DEFAULT_METRICS  # the first with data is used
     metrics_match: tuple[tuple[str, str], ...] = ()  # only series with these labels, e.g. (("application", "mha"),)
@@ -102,7 +103,7 @@ class _ServerSide:
 async def _phase(
     target: Target, level: Level, plan: Plan, duration: float, stop: asyncio.Event, progress: Progress, label: str
 ) -> Recorder:
-    pool = make_pool(plan.base_url, plan.limits)
+    pool = make_pool(plan.grpc_url if plan.protocol == "grpc" else plan.base_url, plan.limits, plan.protocol)
     rec = Recorder(duration, plan.limits.max_requests, stop)
     watcher = asyncio.ensure_future(progress.watch(label, rec))
     try:
@@ -136,7 +137,9 @@ def _keep(result: LevelResult, rec: Recorder, outcome: Outcome, progress: Progre
 async def _run_model(
     model: ModelInfo, plan: Plan, outcome: Outcome, stop: asyncio.Event, progress: Progress, server: _ServerSide
 ) -> None:
-    bodies, notes = build_bodies(plan.seq_len, model.max_len, plan.batch_size, plan.protocol, seed=plan.seed)
+    bodies, notes = build_bodies(
+        plan.seq_len, model.max_len, plan.batch_size, plan.protocol, seed=plan.seed, model=model.name
+    )
     outcome.notes += [f"{model.name}: {n}" for n in notes]
     target = Target(model, endpoint(plan.protocol, model.name), tuple(bodies), plan.batch_size)
     await asyncio.to_thread(server.start, model.name)

@@ -11,7 +11,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-PROTOCOLS = ("simple", "v2")
+PROTOCOLS = ("simple", "v2", "grpc")
+GRPC_INFER = "/inference.GRPCInferenceService/ModelInfer"  # the gRPC method a `grpc` request calls
 _WORDS = (
     "attention",
     "head",
@@ -146,11 +147,20 @@ def endpoint(protocol: str, model: str) -> str:
         return f"/v1/models/{model}/predict"
     if protocol == "v2":
         return f"/v2/models/{model}/infer"
+    if protocol == "grpc":
+        return GRPC_INFER
     raise WorkloadError(f"--protocol {protocol!r} is not one of {', '.join(PROTOCOLS)}")
 
 
-def encode_body(protocol: str, texts: list[str]) -> bytes:
-    """The JSON request body for a batch of texts."""
+def encode_body(protocol: str, texts: list[str], model: str = "") -> bytes:
+    """The request body for a batch of texts: JSON, or for `grpc` a serialized ModelInferRequest to `model`."""
+    if protocol == "grpc":
+        from contract.rpc import inference_pb2 as pb
+
+        message = pb.ModelInferRequest(model_name=model)
+        text = message.inputs.add(name="text", datatype="BYTES", shape=[len(texts)])
+        text.contents.bytes_contents.extend(t.encode("utf-8") for t in texts)
+        return message.SerializeToString()
     if protocol == "simple":
         payload: dict = {"texts": texts}
     elif protocol == "v2":
@@ -161,7 +171,7 @@ def encode_body(protocol: str, texts: list[str]) -> bytes:
 
 
 def build_bodies(
-    spec: SeqLenSpec, max_len: int, batch_size: int, protocol: str, pool: int = 64, seed: int = 0
+    spec: SeqLenSpec, max_len: int, batch_size: int, protocol: str, pool: int = 64, seed: int = 0, model: str = ""
 ) -> tuple[list[RequestBody], list[str]]:
     """A pool of serialized request bodies (cycled through during a run) and the notes from fitting the texts."""
     if batch_size < 1:
@@ -171,5 +181,5 @@ def build_bodies(
     for i in range(pool):
         batch = texts[i * batch_size : (i + 1) * batch_size]
         tokens = sum(len(t.encode("utf-8")) + 1 for t in batch)
-        bodies.append(RequestBody(encode_body(protocol, batch), len(batch), tokens))
+        bodies.append(RequestBody(encode_body(protocol, batch, model), len(batch), tokens))
     return bodies, notes

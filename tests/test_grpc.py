@@ -200,6 +200,37 @@ def test_grpc_requests_are_counted_under_their_own_endpoint(app, stub, metrics_p
     assert found and 'code="200"' in " ".join(found) and 'precision="fp32"' in found[0]
 
 
+def test_the_load_tester_measures_a_model_over_grpc(app, tmp_path):
+    command = [sys.executable, "-m", "service.cli", "loadtest", "--quiet", "--url", app.base_url, "--protocol", "grpc"]
+    command += ["--grpc-url", app.grpc_url, "--models", NAME, "--concurrency", "4", "--rate", "", "--duration", "1"]
+    command += ["--warmup", "0", "--out", str(tmp_path)]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["protocol"] == "grpc" and [r["model"] for r in report["levels"]] == [NAME]
+    assert report["levels"][0]["ok"] > 0 and report["levels"][0]["errors"] == {}
+
+
+def test_a_grpc_load_test_names_a_refused_call_like_its_http_twin(app):
+    import asyncio
+
+    from loadtest.grpc_client import GrpcPool
+    from loadtest.workload import GRPC_INFER, encode_body
+
+    async def two() -> tuple:
+        pool = GrpcPool(app.grpc_url, 30)
+        try:
+            good = await pool.post(GRPC_INFER, encode_body("grpc", ["a fine film"], NAME))
+            bad = await pool.post(GRPC_INFER, encode_body("grpc", ["a fine film"], "mha-nope"))
+        finally:
+            await pool.aclose()
+        return good, bad
+
+    good, bad = asyncio.run(two())
+    assert good.status == 200 and pb.ModelInferResponse.FromString(good.body).outputs[0].name == "logits"
+    assert bad.status == 404 and "NOT_FOUND: unknown model 'mha-nope'" in json.loads(bad.body)["error"]
+
+
 def test_grpc_health_says_serving_when_ready_and_not_serving_while_draining(app):
     from ray import serve
 
