@@ -39,11 +39,13 @@ FIVE_HEADS = (1, 2, 4, 8, 16)  # the default head set (`make run`): d_model 512,
 TOKENS = 32
 
 
-def ensure_model(models_dir: Path, heads: int, d_model: int, layers: int) -> str:
-    name = config_name(heads, d_model)
+def ensure_model(
+    models_dir: Path, heads: int, d_model: int, layers: int, max_len: int = 128, prefix: str = "mha"
+) -> str:
+    name = config_name(heads, d_model, prefix=prefix)
     if not (models_dir / name / MODEL_FILE).is_file():
         cmd = [sys.executable, "-m", "service.cli", "export", "--heads", str(heads), "--d-model", str(d_model)]
-        cmd += ["--layers", str(layers), "--out", str(models_dir)]
+        cmd += ["--layers", str(layers), "--max-len", str(max_len), "--name-prefix", prefix, "--out", str(models_dir)]
         print(f"exporting {name}: {' '.join(cmd[2:])}", flush=True)
         subprocess.run(cmd, check=True)
     return name
@@ -59,25 +61,25 @@ def ensure_variant(models_dir: Path, name: str, precision: str = "int8") -> str:
     return variant
 
 
-def request_ids(n: int, batch: int = 1, seed: int = 0) -> list[np.ndarray]:
-    """n different (batch, TOKENS) token-id arrays: the same requests in every protocol."""
+def request_ids(n: int, batch: int = 1, seed: int = 0, tokens: int = TOKENS) -> list[np.ndarray]:
+    """n different (batch, tokens) token-id arrays: the same requests in every protocol."""
     rng = np.random.default_rng(seed)
-    return [rng.integers(4, 260, size=(batch, TOKENS)) for _ in range(n)]  # each (B, T)
+    return [rng.integers(4, 260, size=(batch, tokens)) for _ in range(n)]  # each (B, T)
 
 
-def request_bodies(n: int, batch: int = 1, seed: int = 0) -> list[bytes]:
-    """n different v2 JSON bodies of `batch` rows x TOKENS token ids."""
+def request_bodies(n: int, batch: int = 1, seed: int = 0, tokens: int = TOKENS) -> list[bytes]:
+    """n different v2 JSON bodies of `batch` rows x `tokens` token ids."""
     bodies = []
-    for ids in request_ids(n, batch, seed):
+    for ids in request_ids(n, batch, seed, tokens):
         tensor = {"name": "input_ids", "datatype": "INT64", "shape": list(ids.shape), "data": ids.ravel().tolist()}
         bodies.append(json.dumps({"inputs": [tensor]}).encode())
     return bodies
 
 
-def binary_requests(path: str, n: int) -> list[bytes]:
+def binary_requests(path: str, n: int, batch: int = 1, tokens: int = TOKENS) -> list[bytes]:
     """The same requests in the binary tensor data extension, logits asked back binary (tritonclient's defaults)."""
     out = []
-    for ids in request_ids(n):
+    for ids in request_ids(n, batch, tokens=tokens):
         raw = ids.astype("<i8").tobytes()
         tensor = {"name": "input_ids", "datatype": "INT64", "shape": list(ids.shape)}
         tensor["parameters"] = {"binary_data_size": len(raw)}
@@ -349,10 +351,11 @@ BAR = {
     "int8_file_over_fp32": 0.3,  # <=
     "five_int8_pss_over_fp32": 0.7,  # <=
     "grpc_c32_over_http_json": 0.95,  # >=
+    "large_binary_cpu_over_json": 1.0,  # <= (less server CPU per request in binary)
 }
 AT_MOST = {
     *("small_c1_over_bare_ms", "default_c1_over_bare_ms", "five_c1_p50_over_alone", "five_pss_mib", "five_ready_s"),
-    *("int8_c1_p50_over_fp32", "int8_file_over_fp32", "five_int8_pss_over_fp32"),
+    *("int8_c1_p50_over_fp32", "int8_file_over_fp32", "five_int8_pss_over_fp32", "large_binary_cpu_over_json"),
 }
 PRECISION_RUN = "serve (default fp32 and int8)"
 PROTOCOL_RUN = "serve (default model, three ways in)"
@@ -397,6 +400,10 @@ def per_round(bare: dict, plain: dict | None, runs: dict[str, dict]) -> dict[str
         out["grpc_c32_over_http_json"] = paired(grpc_, json_, "rate", "rate", operator.truediv)
         out["grpc_c1_minus_http_json_ms"] = paired(grpc_, json_, "c1_p50_ms", "c1_p50_ms", operator.sub)
         out["binary_c32_over_http_json"] = paired(binary_, json_, "rate", "rate", operator.truediv)
+    if (large := runs.get(LARGE_RUN)) is not None:
+        json_, binary_ = large["large json"], large["large binary"]
+        out["large_binary_cpu_over_json"] = paired(binary_, json_, "server_cpu_ms", "server_cpu_ms", operator.truediv)
+        out["large_binary_c1_over_json"] = paired(binary_, json_, "c1_p50_ms", "c1_p50_ms", operator.truediv)
     five_fp32, five_int8 = runs.get("serve (five default models, fp32)"), runs.get("serve (five default models, int8)")
     if five_fp32 is not None and five_int8 is not None:
         out["five_int8_pss_over_fp32"] = [five_int8["rss_mib"]["Pss"] / five_fp32["rss_mib"]["Pss"]]
@@ -506,15 +513,92 @@ def protocols(args, name: str) -> dict[str, dict]:
     return {PROTOCOL_RUN: run}
 
 
+LARGE = (64, 512)  # rows x tokens of the large requests: ~200 KB of JSON text against 256 KiB of int64
+LARGE_RUN = "serve (64 x 512 ids per request)"
+
+
+def large_requests(args) -> dict[str, dict]:
+    """Requests of 64 x 512 ids to a small model with max_len 512, as v2 JSON and as binary tensor data, in the same
+    rounds: latency at c=1, rate and the ingress replica's CPU per request at c=4."""
+    print(f"{LARGE[0]} x {LARGE[1]} ids per request, v2 JSON against binary tensor data...", flush=True)
+    name = ensure_model(args.models, 4, 128, 2, max_len=LARGE[1], prefix="long")
+    with serve(args.models, {"long": name}, "colocated", args) as server:
+        run = started(server, [name])
+        path = f"/v2/models/{name}/infer"
+        json_ = [post_bytes(path, b) for b in request_bodies(8, LARGE[0], tokens=LARGE[1])]
+        binary = binary_requests(path, 8, *LARGE)
+        pid = server.replica_pid("ingress")
+        parts = {
+            "large json": load_sides(
+                lambda c, s: load(server.port, json_, c, s, WARMUP_S), 4, server, "large json", pid
+            ),
+            "large binary": load_sides(
+                lambda c, s: load(server.port, binary, c, s, WARMUP_S), 4, server, "large binary", pid
+            ),
+        }
+        got = rounds(interleaved(parts), args.rounds, args.seconds)
+    for label in parts:
+        run[label] = joined(got, label)
+    run["decode_ms"] = decode_costs(name, json_[0], binary[0])
+    return {LARGE_RUN: run}
+
+
+def decode_costs(name: str, json_request: bytes, binary_request: bytes, calls: int = 50) -> dict[str, float]:
+    """The median milliseconds the server's own code takes (in this process) to turn one request body into checked
+    rows, as v2 JSON and as binary tensor data: what the protocol itself costs, without ORT."""
+    from contract.metadata import ModelMetadata
+    from service.ingress import parse_body
+    from service.protocol import binary, v2
+
+    meta = ModelMetadata(name, 4, 32, 128, 2, 260, LARGE[1], 2, ("negative", "positive"))
+    json_body = json_request.split(b"\r\n\r\n", 1)[1]
+    head, binary_body = binary_request.split(b"\r\n\r\n", 1)
+    length = next(
+        line.split(b":")[1].strip().decode()
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(binary.HEADER.encode())
+    )
+
+    def from_json() -> None:
+        v2.decode(parse_body(json_body, v2.InferRequest), meta, LARGE[0])
+
+    def from_binary() -> None:
+        header, blob = binary.split(binary_body, length)
+        request = parse_body(header, v2.InferRequest)
+        binary.attach(request, blob)
+        v2.decode(request, meta, LARGE[0])
+
+    out = {}
+    for label, decode in (("json", from_json), ("binary", from_binary)):
+        decode()
+        times = []
+        for _ in range(calls):
+            start = time.perf_counter()
+            decode()
+            times.append(time.perf_counter() - start)
+        out[label] = float(np.median(times) * 1e3)
+    return out
+
+
 def protocol_cpu(runs: dict[str, dict]) -> None:
     """The ingress replica's CPU per request under load, each way in (the protocols scenario)."""
-    ways = runs.get(PROTOCOL_RUN)
-    if ways is None:
-        return
-    print(f"\n{PROTOCOL_RUN}: ingress replica CPU per request at c=32 (the model's ORT runs included)")
-    for label in ("http json", "http binary", "grpc"):
-        each = " ".join(f"{r['server_cpu_ms']:.2f}" for r in ways[label]["rounds"] if "server_cpu_ms" in r)
-        print(f"  {label:<12} {ways[label]['server_cpu_ms']:6.2f} ms  (rounds: {each})")
+    for run_name, labels in (
+        (PROTOCOL_RUN, ("http json", "http binary", "grpc")),
+        (LARGE_RUN, ("large json", "large binary")),
+    ):
+        ways = runs.get(run_name)
+        if ways is None:
+            continue
+        print(f"\n{run_name}: ingress replica CPU per request under load (the model's ORT runs included)")
+        for label in labels:
+            each = " ".join(f"{r['server_cpu_ms']:.2f}" for r in ways[label]["rounds"] if "server_cpu_ms" in r)
+            print(f"  {label:<12} {ways[label]['server_cpu_ms']:7.2f} ms  (rounds: {each})")
+        if "decode_ms" in ways:
+            costs = ways["decode_ms"]
+            print(
+                f"  decoding one request into rows (in process): JSON {costs['json']:.3f} ms, "
+                f"binary {costs['binary']:.3f} ms"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -631,6 +715,7 @@ def main(argv: list[str] | None = None) -> int:
         runs.update(precisions(args, names["default"], scans["default"], five))
     if "protocols" in args.scenarios:
         runs.update(protocols(args, names["default"]))
+        runs.update(large_requests(args))
     figures = per_round(bare, plain, runs)
     report(bare, plain, runs, figures, args)
     protocol_cpu(runs)
