@@ -21,6 +21,7 @@ ATTENTION_WEIGHTS = "attention_weights"  # only in the attention variant of a mo
 MODEL_FILE = "model.onnx"
 ATTENTION_MODEL_FILE = "model.attn.onnx"
 CONFIG_FILE = "config.json"
+TRAINING_FILE = "training.json"  # a trained model's record (export/train.py): its config and validation figures
 _OPTIONAL_KEYS = (  # have defaults; others are required
     "tokenizer",
     "ff_dim",

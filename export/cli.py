@@ -163,7 +163,7 @@ def _run(settings: ExportSettings, factory, jobs: list[Job]) -> list:
                 result = replace(result, seconds=time.perf_counter() - start)  # building the model included
                 print(
                     f"{step} {meta.name}: passed the parity gate (max diff {result.max_diff:.2g}), "
-                    f"{_size(result.file_bytes)}, {result.seconds:.1f} s",
+                    f"{file_size(result.file_bytes)}, {result.seconds:.1f} s",
                     flush=True,
                 )
                 results.append(result)
@@ -186,7 +186,7 @@ def _variants(step: str, settings: ExportSettings, name: str) -> None:
         variant = make_variant(settings.out / name, precision)
         print(
             f"{step} {variant.name}: passed the quality gate ({variant.gate.summary()}), "
-            f"{_size(variant.file_bytes)}, {variant.seconds:.1f} s",
+            f"{file_size(variant.file_bytes)}, {variant.seconds:.1f} s",
             flush=True,
         )
 
@@ -215,7 +215,8 @@ def _message(exc: Exception) -> str:
     return one_line(exc)
 
 
-def _size(n: int) -> str:
+def file_size(n: int) -> str:
+    """A file's size as the export and quantize commands print it: MiB, or KiB below one MiB."""
     return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
 
 
@@ -226,7 +227,7 @@ def _row(r) -> tuple[str, ...]:
         str(meta.heads),
         str(meta.head_dim),
         f"{r.params:,}",
-        _size(r.file_bytes),
+        file_size(r.file_bytes),
         f"{r.max_diff:.2g}",
         f"{r.seconds:.1f}",
     )

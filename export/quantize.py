@@ -16,6 +16,7 @@ import json
 import logging
 import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -23,7 +24,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from contract.metadata import CONFIG_FILE, MODEL_FILE, MetadataError, ModelMetadata
+from contract.metadata import CONFIG_FILE, MODEL_FILE, TRAINING_FILE, MetadataError, ModelMetadata
 from contract.tokenizer import NUM_SPECIAL, ByteTokenizer
 from export import onnx_file
 from export.staging import staged_folder
@@ -34,10 +35,8 @@ MODES = ("dynamic", "static")  # int8: weights only ahead of time (activations p
 REDUCE_RANGE = ("auto", "on", "off")
 WEIGHT_TYPES = ("s8", "u8")
 VNNI_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})  # /proc/cpuinfo flags of int8 dot-product units
-TRAINING_FILE = "training.json"  # a trained model's record (export/train.py): its validation split is the gate's data
 GATE_SEED = 7  # generated gate inputs; calibration uses another seed, so static int8 is not gated on what it saw
 CALIBRATION_SEED = 11
-CALIBRATION_ROWS = 256
 _BATCH = 64  # rows per ORT run in the gate
 
 
@@ -223,15 +222,17 @@ def open_session(path: Path, providers: list[str]) -> ort.InferenceSession:
     return ort.InferenceSession(str(path), options, providers=providers)
 
 
-def logits_of(session: ort.InferenceSession, data: GateData) -> np.ndarray:
-    """(N, C) float32 logits, run in batches trimmed to their longest row (as the server pads)."""
-    out = []
+def feeds(data: GateData) -> Iterator[dict[str, np.ndarray]]:
+    """ORT feeds of `data` in batches of _BATCH rows, each trimmed to its longest row (as the server pads)."""
     for start in range(0, len(data.ids), _BATCH):
         mask = data.mask[start : start + _BATCH]  # (b, T)
         width = max(1, int(mask.sum(axis=1).max()))
-        feed = {"input_ids": data.ids[start : start + _BATCH, :width], "attention_mask": mask[:, :width]}
-        out.append(session.run(["logits"], feed)[0])
-    return np.concatenate(out)  # (N, C)
+        yield {"input_ids": data.ids[start : start + _BATCH, :width], "attention_mask": mask[:, :width]}
+
+
+def logits_of(session: ort.InferenceSession, data: GateData) -> np.ndarray:
+    """(N, C) float32 logits of every row of `data`."""
+    return np.concatenate([session.run(["logits"], feed)[0] for feed in feeds(data)])  # (N, C)
 
 
 def compare(reference: np.ndarray, variant: np.ndarray, data: GateData, device: str) -> GateResult:
@@ -250,16 +251,10 @@ class _Calibration:
     """ORT's CalibrationDataReader protocol over generated (or task) inputs, in batches."""
 
     def __init__(self, data: GateData) -> None:
-        self._batches = iter(range(0, len(data.ids), _BATCH))
-        self._data = data
+        self._feeds = feeds(data)
 
     def get_next(self) -> dict[str, np.ndarray] | None:
-        start = next(self._batches, None)
-        if start is None:
-            return None
-        mask = self._data.mask[start : start + _BATCH]
-        width = max(1, int(mask.sum(axis=1).max()))
-        return {"input_ids": self._data.ids[start : start + _BATCH, :width], "attention_mask": mask[:, :width]}
+        return next(self._feeds, None)
 
 
 @contextlib.contextmanager

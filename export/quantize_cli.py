@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from contract.settings import UsageError
+from export.cli import file_size
 from export.quantize import (
     MODES,
     REDUCE_RANGE,
@@ -87,12 +88,8 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _size(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
-
-
 def _line(result: VariantResult) -> str:
-    size = f"{_size(result.file_bytes)} ({result.file_bytes / result.source_bytes:.2f} of fp32)"
+    size = f"{file_size(result.file_bytes)} ({result.file_bytes / result.source_bytes:.2f} of fp32)"
     return f"{result.name}: passed the gate ({result.gate.summary()}), {size}, {result.seconds:.1f} s"
 
 

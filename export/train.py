@@ -14,13 +14,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from contract.metadata import TRAINING_FILE
 from contract.tokenizer import ByteTokenizer
 from export.checkpoint import CHECKPOINT_FILE, checkpoint_bytes
 from export.convert import ExportResult, export_model, exporter_versions
 from export.model import AttentionOutputs, EncoderClassifier, EncoderConfig
 from export.tasks import DEFAULT_TASK, Task, get_task
 
-TRAINING_FILE = "training.json"  # written next to model.onnx by export_trained
 EMA_BETA = 0.95  # smoothing of the loss that spikes are measured against
 
 
