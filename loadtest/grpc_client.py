@@ -74,9 +74,7 @@ def load(url: str, messages: list, concurrency: int, seconds: float, warmup_s: f
         out = _one_caller(url, messages, deadline)
     else:
         out = asyncio.run(_run(url, messages, concurrency, deadline))
-    kept = [o for o in out if start <= o[2] <= deadline]
-    ok = np.array([t for s, t, _ in kept if s == 200])
-    return LoadResult(len(ok), sum(1 for s, _, _ in kept if s != 200), seconds, ok)
+    return LoadResult.within(out, start, deadline)
 
 
 # A failed call as the HTTP status the same error gets over HTTP, so the load tester's report counts both alike.

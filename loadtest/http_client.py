@@ -167,6 +167,14 @@ class LoadResult:
     def percentile_ms(self, q: float) -> float:
         return float(np.percentile(self.latencies_s, q) * 1e3) if self.latencies_s.size else float("nan")
 
+    @classmethod
+    def within(cls, outcomes: list[tuple[int, float, float]], start: float, deadline: float) -> LoadResult:
+        """What of (status, latency, when it ended) ended between `start` and `deadline`: what was still in flight at
+        the deadline ended after it, and what ended before `start` was the warm-up."""
+        kept = [o for o in outcomes if start <= o[2] <= deadline]
+        ok = np.array([t for s, t, _ in kept if s == 200])
+        return cls(len(ok), sum(1 for s, _, _ in kept if s != 200), deadline - start, ok)
+
 
 def post_bytes(path: str, body: bytes, headers: dict[str, str] | None = None) -> bytes:
     """A whole HTTP/1.1 POST of a JSON body to 127.0.0.1 (keep-alive, HTTP/1.1's default), ready to send as is."""
@@ -261,6 +269,4 @@ def load(port: int, requests: list[bytes], concurrency: int, seconds: float, war
         out = _one_connection(port, requests, deadline)
     else:
         out = asyncio.run(_run(port, requests, concurrency, deadline))
-    kept = [o for o in out if start <= o[2] <= deadline]  # what was still in flight at the deadline ended after it
-    ok = np.array([t for s, t, _ in kept if s == 200])
-    return LoadResult(len(ok), sum(1 for s, _, _ in kept if s != 200), seconds, ok)
+    return LoadResult.within(out, start, deadline)

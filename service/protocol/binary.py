@@ -16,7 +16,7 @@ import orjson
 
 from contract.metadata import LOGITS
 from service.errors import BadRequestError
-from service.protocol.v2 import MODEL_VERSION, InferRequest, RequestInput
+from service.protocol.v2 import InferRequest, RequestInput, response_head
 
 HEADER = "inference-header-content-length"  # the request's and the response's; HTTP header names are case-free
 HEADER_NAME = "Inference-Header-Content-Length"
@@ -143,9 +143,7 @@ def wants_binary(request: InferRequest) -> bool:
 def infer_response(name: str, request: InferRequest, logits: np.ndarray) -> tuple[bytes, bytes]:
     """(JSON header, raw bytes): `logits` FP32 [B, C] as little-endian row-major binary data, the request id echoed."""
     raw = np.ascontiguousarray(logits, dtype="<f4").tobytes()
-    header: dict[str, Any] = {"model_name": name, "model_version": MODEL_VERSION}
-    if request.id is not None:
-        header["id"] = request.id
+    header = response_head(name, request)
     tensor = {"name": LOGITS, "datatype": "FP32", "shape": list(logits.shape)}
     header["outputs"] = [{**tensor, "parameters": {"binary_data_size": len(raw)}}]
     return orjson.dumps(header), raw

@@ -155,11 +155,17 @@ def requested_outputs(request: InferRequest) -> None:
             raise BadRequestError(f"unknown output {out.name!r}; this model has {LOGITS!r}")
 
 
-def infer_response(name: str, request: InferRequest, logits: np.ndarray) -> dict[str, Any]:
-    """The v2 response: `logits` FP32 [B, C] as flat row-major JSON data, the request id echoed."""
+def response_head(name: str, request: InferRequest) -> dict[str, Any]:
+    """A v2 infer response's model name and version, and the request's id echoed when it had one."""
     out: dict[str, Any] = {"model_name": name, "model_version": MODEL_VERSION}
     if request.id is not None:
         out["id"] = request.id
+    return out
+
+
+def infer_response(name: str, request: InferRequest, logits: np.ndarray) -> dict[str, Any]:
+    """The v2 response: `logits` FP32 [B, C] as flat row-major JSON data, the request id echoed."""
+    out = response_head(name, request)
     tensor = {"name": LOGITS, "datatype": "FP32", "shape": list(logits.shape), "data": logits.ravel().tolist()}
     out["outputs"] = [tensor]  # the only output; requested_outputs() already refused any other name
     return out
