@@ -258,14 +258,18 @@ class _Calibration:
 
 
 @contextlib.contextmanager
-def _quiet():
-    """The quantizer logs advice on the root logger and prints tensors while it calibrates; its errors still raise."""
+def _converting(src: Path, precision: str):
+    """Around ONNX Runtime's converters: their advice on the root logger and the tensors they print while
+    calibrating are silenced; any error they raise (from onnx, numpy, their own asserts) is a QuantizeError
+    naming the model."""
     root = logging.getLogger()
     level = root.level
     root.setLevel(logging.ERROR)
     try:
         with contextlib.redirect_stdout(io.StringIO()):
             yield
+    except Exception as exc:
+        raise QuantizeError(f"{src.parent.name}: {precision} conversion failed: {type(exc).__name__}: {exc}") from exc
     finally:
         root.setLevel(level)
 
@@ -278,12 +282,12 @@ def to_int8(src: Path, dst: Path, mode: str, plan: Int8Plan, calibration: GateDa
     method = {"tool": f"onnxruntime.quantization {ort.__version__}", "mode": mode, "weights": plan.weights}
     method.update(reduce_range=plan.reduce_range, why=plan.reason)
     if mode == "dynamic":
-        with _quiet():
+        with _converting(src, "int8"):
             quantize_dynamic(src, dst, weight_type=weight_type, reduce_range=plan.reduce_range)
     elif mode == "static":
         if calibration is None:
             raise ValueError("static quantization needs calibration data")
-        with _quiet():
+        with _converting(src, "int8"):
             quantize_static(
                 src,
                 dst,
@@ -303,8 +307,9 @@ def to_fp16(src: Path, dst: Path) -> dict[str, object]:
     """fp16 weights and arithmetic; the inputs (int64) and the logits (float32) keep their types."""
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
-    model = convert_float_to_float16(onnx.load(str(src)), keep_io_types=True)
-    onnx.save_model(model, str(dst))
+    with _converting(src, "fp16"):
+        model = convert_float_to_float16(onnx.load(str(src)), keep_io_types=True)
+        onnx.save_model(model, str(dst))
     return {"tool": f"onnxruntime.transformers.float16 {ort.__version__}", "keep_io_types": True}
 
 
@@ -360,15 +365,12 @@ def make_variant(
     data = gate_data(folder, meta, gate)
     with staged_folder(target) as staging:
         path = staging / MODEL_FILE
-        try:
-            if precision == "int8":
-                plan = plan or plan_int8(cpu_flags())
-                calibration = gate_data(folder, meta, gate, seed=CALIBRATION_SEED) if mode == "static" else None
-                method = to_int8(folder / MODEL_FILE, path, mode, plan, calibration)
-            else:
-                method = to_fp16(folder / MODEL_FILE, path)
-        except Exception as exc:  # the quantizer's errors come from many layers (onnx, numpy, its own asserts)
-            raise QuantizeError(f"{meta.name}: {precision} conversion failed: {type(exc).__name__}: {exc}") from exc
+        if precision == "int8":
+            plan = plan or plan_int8(cpu_flags())
+            calibration = gate_data(folder, meta, gate, seed=CALIBRATION_SEED) if mode == "static" else None
+            method = to_int8(folder / MODEL_FILE, path, mode, plan, calibration)
+        else:
+            method = to_fp16(folder / MODEL_FILE, path)
         result = run_gate(folder / MODEL_FILE, path, precision, data)
         failures = result.failures(gate)
         if failures:
