@@ -99,9 +99,9 @@ class ServerProcess:
         path = Path(self._dir.name) / "serve.yaml"
         path.write_text(yaml.safe_dump(self.config))
         cmd = [sys.executable, "-m", "service.cli", "serve", "--config", str(path), "--port", str(self.port)]
-        cmd += ["--metrics-port", str(self.metrics_port), *self.extra_args]
         if self.tree is None:  # another checkout's launcher may predate gRPC (and its flag): it opens no gRPC port then
             cmd += ["--grpc-port", str(self.grpc_port)]
+        cmd += ["--metrics-port", str(self.metrics_port), *self.extra_args]  # extra_args last: they win
         start = time.perf_counter()
         log = open(Path(self._dir.name) / "serve.log", "w")
         env = None
