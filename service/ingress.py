@@ -1,6 +1,7 @@
 """The ingress deployment: routes by model name to each model's placement (its engine in this replica, or its own
 deployment), validating and tokenizing against the model's metadata; serves the one ASGI application
-(service/http/api.py) behind Serve's proxy or on its own port; records request metrics and drains. No torch.
+(service/http/api.py) behind Serve's proxy or on its own port, and the Open Inference Protocol's gRPC service
+(service/rpc/server.py) behind Serve's gRPC proxy or on its own port; records request metrics and drains. No torch.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response
+from grpc_health.v1 import health_pb2
 from pydantic import BaseModel, ValidationError
 from ray import serve
+from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
 
 from contract.rpc import inference_pb2 as pb
@@ -25,6 +28,7 @@ from service.config import AppConfig
 from service.engine import EngineSettings, ModelEngine, ModelStatus
 from service.errors import BadRequestError, ModelNotFoundError, NotReadyError, OverCapacityError, ServiceError
 from service.http.api import create_app, describe_errors
+from service.http.head_limits import body_too_large
 from service.http.limits import read_body
 from service.http.server import HttpServer
 from service.metrics import GAUGE_REFRESH_S, UNKNOWN_MODEL, IngressMetrics, model_labels
@@ -32,7 +36,7 @@ from service.placement import Colocated, ModelPlacement, Remote
 from service.protocol import binary, simple, v2
 from service.responses import binary_response, json_response
 from service.rpc import tensors
-from service.rpc.server import GrpcServer
+from service.rpc.server import Answers, GrpcServer, through_serve
 
 logger = logging.getLogger(__name__)
 CLIENT_CLOSED = 499  # nginx's code for a request whose client closed the connection first (metrics only)
@@ -115,9 +119,10 @@ class Ingress:
         self._server = None
         if ingress.port is not None:
             self._server = HttpServer(self._app, ingress.host, ingress.port, self.limits, ingress.access_log)
+        self._rpc = Answers(self)
         self._grpc = None
         if ingress.grpc_port is not None:
-            self._grpc = GrpcServer(self, ingress.host, ingress.grpc_port, self.limits)
+            self._grpc = GrpcServer(self._rpc, ingress.host, ingress.grpc_port, self.limits)
 
     def __serve_build_asgi_app__(self):
         """Serve's hook for an application built by the replica: the one application, for Serve's proxy."""
@@ -194,6 +199,9 @@ class Ingress:
         async def work(status: ModelStatus | None) -> pb.ModelInferResponse:
             self._check_version(name, message.model_version or None)
             self._model(name)
+            size = message.ByteSize()  # Serve's gRPC proxy takes up to 2 GiB; the replica's own server, the limit
+            if size > self.limits.max_body_bytes:
+                raise body_too_large(size, self.limits.max_body_bytes)
             body = tensors.to_request(message)
             return tensors.to_response(name, body, await self._v2_logits(name, status, body, alone=False))
 
@@ -335,3 +343,25 @@ class Ingress:
 
     async def list_models(self) -> list[dict[str, Any]]:
         return [describe(s) for s in await asyncio.gather(*(self._status(n, live=True) for n in self._models))]
+
+    # ---- gRPC through Serve's gRPC proxy: it calls the method named after the RPC (service/rpc/server.py) ----
+    async def ServerLive(self, request: pb.ServerLiveRequest, grpc_context: RayServegRPCContext):
+        return await through_serve(grpc_context, self._rpc.ServerLive(request), pb.ServerLiveResponse)
+
+    async def ServerReady(self, request: pb.ServerReadyRequest, grpc_context: RayServegRPCContext):
+        return await through_serve(grpc_context, self._rpc.ServerReady(request), pb.ServerReadyResponse)
+
+    async def ModelReady(self, request: pb.ModelReadyRequest, grpc_context: RayServegRPCContext):
+        return await through_serve(grpc_context, self._rpc.ModelReady(request), pb.ModelReadyResponse)
+
+    async def ServerMetadata(self, request: pb.ServerMetadataRequest, grpc_context: RayServegRPCContext):
+        return await through_serve(grpc_context, self._rpc.ServerMetadata(request), pb.ServerMetadataResponse)
+
+    async def ModelMetadata(self, request: pb.ModelMetadataRequest, grpc_context: RayServegRPCContext):
+        return await through_serve(grpc_context, self._rpc.ModelMetadata(request), pb.ModelMetadataResponse)
+
+    async def ModelInfer(self, request: pb.ModelInferRequest, grpc_context: RayServegRPCContext):
+        return await through_serve(grpc_context, self._rpc.ModelInfer(request), pb.ModelInferResponse)
+
+    async def Check(self, request: health_pb2.HealthCheckRequest, grpc_context: RayServegRPCContext):
+        return await through_serve(grpc_context, self._rpc.Check(request), health_pb2.HealthCheckResponse)
