@@ -138,6 +138,19 @@ def bare_logits(models_dir: Path, name: str, ids, mask=None):
     return logits
 
 
+def in_own_process(code: str, *args: str) -> object:
+    """Run `code` (Python) in a process of its own; what it prints, as JSON. For the third-party gRPC clients
+    (tritonclient.grpc, KServe's): their generated modules and ours define the same protocol buffer messages
+    (`inference.*`), which one process's default descriptor pool takes only once."""
+    import json
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    return json.loads(run.stdout)
+
+
 def v2_tensor(name: str, data, datatype: str = "INT64", shape=None) -> dict:
     """A v2 JSON input tensor with flat row-major data (shape from the nested data unless given)."""
     import numpy as np

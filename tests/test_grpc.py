@@ -17,7 +17,7 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from serving import bare_logits, deployed
+from serving import bare_logits, deployed, in_own_process
 
 from contract.rpc import generate
 from contract.rpc import inference_pb2 as pb
@@ -27,13 +27,6 @@ from service.local.ports import free_port
 
 NAME = "mha-h4-d32"
 MAX_BODY_BYTES = 64 * 1024
-
-
-def _client(code: str, *args: str) -> object:
-    """Run `code` (Python, with tritonclient.grpc) in a process of its own; what it prints, as JSON."""
-    run = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr
-    return json.loads(run.stdout)
 
 
 def _fields(descriptor) -> dict[str, list]:
@@ -57,7 +50,7 @@ def test_every_message_and_field_is_numbered_as_tritonclients_own():
         "methods = {m.name: [m.input_type.name, m.output_type.name] for m in service.methods}\n"
         "print(json.dumps({'messages': messages, 'methods': methods}))\n"
     )
-    theirs = _client(code, *names)
+    theirs = in_own_process(code, *names)
     assert names and {n: _fields(pb.DESCRIPTOR.message_types_by_name[n]) for n in names} == theirs["messages"]
     for method in pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods:
         assert theirs["methods"][method.name] == [method.input_type.name, method.output_type.name], method.name
@@ -119,7 +112,7 @@ def test_tritonclient_grpc_round_trips_ids_masks_and_text_like_ort(app):
     mask[1, 6:] = 0
     texts = ["a short one", "and a somewhat longer text"]
     args = [json.dumps(a) for a in (ids.tolist(), mask.tolist(), texts)]
-    out = _client(TRITON_INFER, app.grpc_url, NAME, *args)
+    out = in_own_process(TRITON_INFER, app.grpc_url, NAME, *args)
     assert out["live"] and out["ready"] and out["model_ready"] and "binary_tensor_data" in out["extensions"]
     assert out["platform"] == "onnxruntime_onnx" and out["inputs"] == ["input_ids", "attention_mask"]
     assert out["id"] == "g1"
