@@ -150,7 +150,8 @@ class IngressSettings(BaseModel):
         ge=1,
         le=65535,
         description="the ingress replica serves the Open Inference Protocol's gRPC service and grpc.health.v1 on this "
-        "port (one replica); None: no gRPC",
+        "port itself (one replica; the local direct mode); None: not in the replica. Behind Serve's proxies (a "
+        "cluster, `serve --proxy`) gRPC comes through Serve's gRPC proxy instead: Serve's `grpc_options`, not this",
     )
     access_log: bool = Field(False, description="the ingress's own server logs a line per request (with `port`)")
 

@@ -72,11 +72,19 @@ def metrics_port() -> int:
 
 
 @pytest.fixture(scope="session")
-def serve_port(metrics_port):
+def serve_grpc_port() -> int:
+    """The port of the session Serve's gRPC proxy (the way in for gRPC on a cluster)."""
+    from serving import free_port
+
+    return free_port()
+
+
+@pytest.fixture(scope="session")
+def serve_port(metrics_port, serve_grpc_port):
     """One embedded Ray (2 CPUs) with Serve on a free 127.0.0.1 port for the whole session; its HTTP port."""
     from serving import start_ray_and_serve, stop_ray
 
-    port = start_ray_and_serve(metrics_port)
+    port = start_ray_and_serve(metrics_port, serve_grpc_port)
     yield port
     stop_ray()
 

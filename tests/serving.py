@@ -34,16 +34,18 @@ class Served:
         return f"127.0.0.1:{self.config['ingress']['grpc_port']}"
 
 
-def start_ray_and_serve(metrics_port: int | None = None) -> int:
+def start_ray_and_serve(metrics_port: int | None = None, grpc_port: int | None = None) -> int:
     """An embedded local Ray of its own (never another session's cluster) with Serve on a free port.
 
-    Ray's metrics export (every replica's series on one /metrics URL) listens on `metrics_port` when given.
+    Ray's metrics export (every replica's series on one /metrics URL) listens on `metrics_port` when given, Serve's
+    gRPC proxy (the cluster's way in for gRPC) on `grpc_port`.
     """
     import ray
     from ray import serve
 
     from service.http.limits import PROXY_LIMITS_ENV
     from service.local.ray_env import RAY_ON_LOOPBACK
+    from service.rpc.server import SERVE_SERVICERS
 
     port = free_port()
     # Ray exports metrics every 10 s by default; 1 s keeps the metrics tests short (Ray's processes inherit it).
@@ -59,7 +61,8 @@ def start_ray_and_serve(metrics_port: int | None = None) -> int:
         log_to_driver=False,
         _metrics_export_port=metrics_port,
     )
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    grpc = None if grpc_port is None else {"port": grpc_port, "grpc_servicer_functions": SERVE_SERVICERS}
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, grpc_options=grpc)
     return port
 
 

@@ -22,6 +22,7 @@ from service.local import ports
 from service.local.drain import drain, stop_ray
 from service.local.ray_env import set_ray_env
 from service.model_store import find_models
+from service.rpc.server import SERVE_SERVICERS
 
 APP_NAME = "mha"
 DEFAULT_PORT = 8000
@@ -47,7 +48,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--grpc-port",
         type=int,
         default=DEFAULT_GRPC_PORT,
-        help=f"Open Inference Protocol gRPC and grpc.health.v1 port; 0: no gRPC (default: {DEFAULT_GRPC_PORT})",
+        help="Open Inference Protocol gRPC and grpc.health.v1 port, served by the ingress replica (with --proxy: by "
+        f"Serve's gRPC proxy, on every interface); 0: no gRPC (default: {DEFAULT_GRPC_PORT})",
     )
     p.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT, help="Prometheus port (default: 8080)")
     p.add_argument("--config", type=Path, help="YAML: AppConfig fields, or a Serve config file (its first app's args)")
@@ -56,7 +58,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--proxy",
         action="store_true",
-        help="serve through Ray Serve's HTTP proxy (as on a cluster) instead of the ingress replica on --port itself",
+        help="serve through Ray Serve's HTTP and gRPC proxies (as on a cluster) instead of the ingress replica on "
+        "--port and --grpc-port itself",
     )
     p.add_argument("--access-log", action="store_true", help="log every request (off by default: it costs latency)")
     return p.parse_args(argv)
@@ -96,17 +99,17 @@ class LocalServe:
     num_cpus: float | None = None  # None: enough logical CPUs for every replica
     dashboard: bool = False
     access_log: bool = False
-    grpc_port: int | None = None  # the ingress replica's gRPC port; None: no gRPC
+    grpc_port: int | None = None  # gRPC: the ingress replica's own port (direct), else Serve's gRPC proxy's; None: none
 
 
 def local_config(config: AppConfig, opts: LocalServe) -> AppConfig:
-    """`config` as this server runs it: the ingress listening on the API's address itself (unless through Serve's
-    proxy) and on the gRPC port; LaunchError if the config then does not hold (more than one ingress replica on a
-    port, say)."""
+    """`config` as this server runs it: the ingress listening on the API's address and the gRPC port itself (unless
+    through Serve's proxies); LaunchError if the config then does not hold (more than one ingress replica on a port,
+    say)."""
     raw = config.model_dump(exclude_unset=True)
-    ingress = {**raw.get("ingress", {}), "host": opts.host, "grpc_port": opts.grpc_port}
+    ingress = {**raw.get("ingress", {}), "host": opts.host, "grpc_port": None}
     if opts.direct:
-        ingress.update(port=opts.port, access_log=opts.access_log)
+        ingress.update(port=opts.port, grpc_port=opts.grpc_port, access_log=opts.access_log)
     raw["ingress"] = ingress
     return _validated(raw)
 
@@ -146,7 +149,8 @@ def start_local(config: AppConfig, opts: LocalServe) -> None:
     if opts.direct:  # the ingress serves the API itself: no proxy, so no second way in
         serve.start(proxy_location="Disabled")
     else:
-        serve.start(http_options={"host": opts.host, "port": opts.port})
+        grpc = None if opts.grpc_port is None else {"port": opts.grpc_port, "grpc_servicer_functions": SERVE_SERVICERS}
+        serve.start(http_options={"host": opts.host, "port": opts.port}, grpc_options=grpc)
     logging = {"enable_access_log": opts.access_log, "log_level": "INFO" if opts.access_log else "WARNING"}
     serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False, logging_config=logging)
 
@@ -171,6 +175,8 @@ def report(args: argparse.Namespace) -> None:
         print(f"  {label:<30} {base}{path}")
     if args.grpc_port:
         print(f"  {'gRPC (inference, grpc.health.v1)':<30} {shown}:{args.grpc_port}")
+        if args.proxy and not everywhere:
+            print(f"  (Serve's gRPC proxy listens on every interface, not only {args.host})")
     print(f"  {'metrics (Prometheus)':<30} http://{shown}:{args.metrics_port}/metrics")
     for m in models:
         if m["ready"]:
@@ -190,8 +196,9 @@ def main(argv: list[str] | None = None) -> int:
         config = local_config(load_config(args), opts)
         find_models(config.models_dir, config.models)
         ports.check_port(args.host, args.port, "HTTP", "--port")
-        if args.grpc_port:
-            ports.check_port(args.host, args.grpc_port, "gRPC", "--grpc-port")
+        if args.grpc_port:  # Serve's gRPC proxy binds every interface
+            grpc_host = ports.EVERYWHERE if args.proxy else args.host
+            ports.check_port(grpc_host, args.grpc_port, "gRPC", "--grpc-port")
         ports.check_port(ports.ray_host(args.host), args.metrics_port, "metrics", "--metrics-port")
     except (LaunchError, ModelFileError, ports.PortError) as exc:
         print(f"mha-serving serve: {exc}", file=sys.stderr)
