@@ -1,7 +1,8 @@
 """A real two-node Ray cluster on this machine, deployed like KubeRay does it: `serve deploy` of
-deploy/serve_config.yaml (adapted to tiny models), requests to every head configuration, placement by Ray
-resources (the second node advertises a logical GPU, standing in for a GPU worker), and recovery after that node
-is killed and comes back. Only processes this test starts are stopped, by PID, at the end.
+deploy/serve_config.yaml (adapted to tiny models), requests to every head configuration (HTTP, and gRPC through
+Serve's gRPC proxy), placement by Ray resources (the second node advertises a logical GPU, standing in for a GPU
+worker), and recovery after that node is killed and comes back. Only processes this test starts are stopped, by
+PID, at the end.
 """
 
 from __future__ import annotations
@@ -20,10 +21,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
 import httpx
+import numpy as np
 import pytest
 import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from serving import v2_tensor
 
+from contract.rpc import inference_pb2 as pb
+from contract.rpc import inference_pb2_grpc as pb_grpc
 from service.http.limits import PROXY_LIMITS_ENV
 from service.local.ports import free_port
 
@@ -106,6 +113,7 @@ class LocalCluster:
     gcs_port: int = field(default_factory=free_port)
     dashboard_port: int = field(default_factory=free_port)
     http_port: int = field(default_factory=free_port)
+    grpc_port: int = field(default_factory=free_port)
 
     @property
     def env(self) -> dict[str, str]:
@@ -199,13 +207,14 @@ def cluster() -> Iterator[LocalCluster]:
 
 
 # ---- the application ----
-def adapted_serve_config(models_dir: Path, http_port: int) -> dict:
+def adapted_serve_config(models_dir: Path, http_port: int, grpc_port: int) -> dict:
     """deploy/serve_config.yaml with only what a one-machine run must change: the models (two tiny ones taking
     the settings of one real GPU and one real CPU head configuration), the GPU one's backend (no CUDA here), and the
-    HTTP proxy on the head only (two nodes on one host cannot both listen on one port)."""
+    HTTP and gRPC proxies on the head only (two nodes on one host cannot both listen on one port)."""
     config = copy.deepcopy(yaml.safe_load((ROOT / "deploy" / "serve_config.yaml").read_text()))
     config["proxy_location"] = "HeadOnly"
     config["http_options"] = {**config["http_options"], "host": "127.0.0.1", "port": http_port}
+    config["grpc_options"] = {**config["grpc_options"], "port": grpc_port}
     (app,) = config["applications"]
     args = app["args"]
     overrides = args["overrides"]
@@ -241,13 +250,38 @@ def answered(cluster: LocalCluster, model: str) -> dict | None:
     return response.json() if response.status_code == 200 else None
 
 
+def check_grpc(cluster: LocalCluster, models: list[str]) -> None:
+    """Through Serve's gRPC proxy, with no metadata (one application): each model's ModelInfer logits equal its
+    HTTP v2 answer for the same ids, health Check says SERVING, a malformed request is INVALID_ARGUMENT."""
+    ids = np.array([[5, 17, 42, 99, 7, 3]], dtype=np.int64)  # (1, T)
+    with grpc.insecure_channel(f"127.0.0.1:{cluster.grpc_port}") as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        for model in models:
+            body = {"inputs": [v2_tensor("input_ids", ids)]}
+            url = f"http://127.0.0.1:{cluster.http_port}/v2/models/{model}/infer"
+            http = httpx.post(url, json=body, timeout=30).json()["outputs"][0]
+            message = pb.ModelInferRequest(model_name=model, raw_input_contents=[ids.tobytes()])
+            message.inputs.add(name="input_ids", datatype="INT64", shape=list(ids.shape))
+            answer = stub.ModelInfer(message, timeout=30)
+            logits = np.frombuffer(answer.raw_output_contents[0], dtype="<f4")  # (B * C,)
+            assert list(answer.outputs[0].shape) == http["shape"], model
+            np.testing.assert_allclose(logits, http["data"], atol=1e-6, err_msg=model)
+        bad = pb.ModelInferRequest(model_name=models[0], raw_input_contents=[ids.tobytes()[:12]])
+        bad.inputs.add(name="input_ids", datatype="INT64", shape=list(ids.shape))
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.ModelInfer(bad, timeout=30)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value.details()
+        check = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30)
+        assert check.status == health_pb2.HealthCheckResponse.SERVING
+
+
 def placement(cluster: LocalCluster) -> dict[str, set[str]]:
     """Deployment -> ids of the nodes its running replicas are on."""
     return {name: {r["node_id"] for r in replicas} for name, replicas in cluster.replicas("mha").items()}
 
 
 def test_serve_config_deploys_on_two_nodes_places_by_resources_and_recovers_a_lost_node(cluster, tiny_models_dir):
-    config = adapted_serve_config(tiny_models_dir, cluster.http_port)
+    config = adapted_serve_config(tiny_models_dir, cluster.http_port, cluster.grpc_port)
     head_cpus, gpu_node_cpus, gpu_node_gpus = resources_for(config)
     assert gpu_node_gpus > 0
     cluster.start("head", cpus=head_cpus, gpus=0, head=True)
@@ -270,6 +304,7 @@ def test_serve_config_deploys_on_two_nodes_places_by_resources_and_recovers_a_lo
     first = {m: wait_for(f"{m} to answer", lambda m=m: answered(cluster, m)) for m in (CPU_MODEL, GPU_MODEL)}
     for model, body in first.items():
         assert body["model"] == model and len(body["logits"][0]) == len(body["labels"])
+    check_grpc(cluster, [CPU_MODEL, GPU_MODEL])
 
     # placement: the GPU head configuration in its own deployment on the node with the (logical) GPU; the CPU one
     # co-located in the ingress replicas (no deployment of its own), which run on the head

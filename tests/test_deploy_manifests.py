@@ -189,7 +189,7 @@ def test_nothing_is_exposed_outside_the_cluster():
     assert spec["rayClusterConfig"]["headGroupSpec"]["serviceType"] == "ClusterIP"
     assert not spec["rayClusterConfig"]["headGroupSpec"].get("enableIngress", False)
     exposed = [p["port"] for p in spec["serveService"]["spec"]["ports"]]
-    assert exposed == [8000], "only Serve's HTTP port goes into the Serve service (never 8265 or 6379)"
+    assert exposed == [8000, 8001], "only Serve's HTTP and gRPC ports go into the Serve service (never 8265 or 6379)"
     for pod in embedded_core_objects(rayservice)[1:]:
         for container in pod["spec"]["containers"]:
             assert all("hostPort" not in p for p in container.get("ports", [])), container["name"]

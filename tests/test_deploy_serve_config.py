@@ -94,13 +94,36 @@ def test_models_dir_is_where_the_dockerfile_puts_the_models():
     assert "mha-serving export --out /models" in dockerfile
 
 
-def test_serve_http_port_is_the_one_the_serve_service_targets():
-    port = serve_config()["http_options"]["port"]
+def test_serve_http_and_grpc_ports_are_the_ones_the_serve_service_targets_and_every_pod_exposes():
+    http, grpc = serve_config()["http_options"]["port"], serve_config()["grpc_options"]["port"]
     service = rayservice()["spec"]["serveService"]["spec"]
-    assert [p["targetPort"] for p in service["ports"]] == [port]
-    for group in worker_groups().values():
+    assert [p["targetPort"] for p in service["ports"]] == [http, grpc]
+    for group in [rayservice()["spec"]["rayClusterConfig"]["headGroupSpec"], *worker_groups().values()]:
         (container,) = group["template"]["spec"]["containers"]
-        assert {"name": "serve", "containerPort": port} in container["ports"]
+        assert {"name": "serve", "containerPort": http} in container["ports"]
+        assert {"name": "grpc", "containerPort": grpc} in container["ports"]
+
+
+def test_serves_grpc_proxy_takes_the_services_the_ingress_answers_and_can_import_them():
+    from ray.serve.config import gRPCOptions
+
+    from contract.rpc import inference_pb2 as pb
+    from service.ingress import Ingress
+    from service.rpc.server import SERVE_SERVICERS
+
+    options = gRPCOptions(**serve_config()["grpc_options"])
+    assert options.grpc_servicer_functions == SERVE_SERVICERS and len(options.grpc_servicer_func_callable) == 2
+    rpcs = [m.name for m in pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods] + ["Check"]
+    missing = [m for m in rpcs if not callable(getattr(Ingress.func_or_class, m, None))]
+    assert not missing, "Serve's gRPC proxy calls the ingress's method named after the RPC"
+
+
+def test_serves_grpc_proxy_refuses_messages_over_the_apps_body_limit_on_every_pod():
+    limit = AppConfig.model_validate(app_args()).limits.max_body_bytes
+    for group in [rayservice()["spec"]["rayClusterConfig"]["headGroupSpec"], *worker_groups().values()]:
+        (container,) = group["template"]["spec"]["containers"]
+        env = {e["name"]: e["value"] for e in container["env"]}
+        assert int(env["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"]) == limit
 
 
 def test_gpu_head_configurations_fit_only_gpu_workers_and_cpu_ones_only_cpu_workers():
