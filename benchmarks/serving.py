@@ -400,6 +400,12 @@ def per_round(bare: dict, plain: dict | None, runs: dict[str, dict]) -> dict[str
         out["grpc_c32_over_http_json"] = paired(grpc_, json_, "rate", "rate", operator.truediv)
         out["grpc_c1_minus_http_json_ms"] = paired(grpc_, json_, "c1_p50_ms", "c1_p50_ms", operator.sub)
         out["binary_c32_over_http_json"] = paired(binary_, json_, "rate", "rate", operator.truediv)
+    direct, proxied = runs.get(GRPC_DIRECT_RUN), runs.get(GRPC_PROXY_RUN)
+    if direct is not None and proxied is not None:
+        grpc_, json_, in_replica = proxied["grpc"], proxied["http json"], direct["grpc"]
+        out["proxy_grpc_c32_over_direct"] = paired(grpc_, in_replica, "rate", "rate", operator.truediv)
+        out["proxy_grpc_c32_over_proxy_json"] = paired(grpc_, json_, "rate", "rate", operator.truediv)
+        out["proxy_grpc_c1_minus_direct_ms"] = paired(grpc_, in_replica, "c1_p50_ms", "c1_p50_ms", operator.sub)
     if (large := runs.get(LARGE_RUN)) is not None:
         json_, binary_ = large["large json"], large["large binary"]
         out["large_binary_cpu_over_json"] = paired(binary_, json_, "server_cpu_ms", "server_cpu_ms", operator.truediv)
@@ -513,6 +519,36 @@ def protocols(args, name: str) -> dict[str, dict]:
     return {PROTOCOL_RUN: run}
 
 
+GRPC_DIRECT_RUN, GRPC_PROXY_RUN = "serve (gRPC in the replica)", "serve (gRPC through Serve's proxy)"
+
+
+def grpc_proxy(args, name: str) -> dict[str, dict]:
+    """The default model served twice, measured in the same rounds: directly (the ingress replica's own HTTP and
+    gRPC servers, the local default) and through Serve's HTTP and gRPC proxies (`--proxy`, the cluster's way in),
+    each through v2 JSON over HTTP and gRPC (raw input contents), the same requests each way."""
+    print("the default model through HTTP JSON and gRPC, directly and through Serve's proxies...", flush=True)
+    config = serve_config(args.models, [name], "colocated", args)
+    path = f"/v2/models/{name}/infer"
+    json_ = [post_bytes(path, b) for b in request_bodies(64)]
+    messages = [grpc_client.infer_message(name, ids) for ids in request_ids(64)]
+    with ServerProcess(config) as direct, ServerProcess(config, extra_args=["--proxy"]) as proxied:
+        runs = {GRPC_DIRECT_RUN: started(direct, [name]), GRPC_PROXY_RUN: started(proxied, [name])}
+        parts, where = {}, {}  # "direct grpc" -> its sides; -> (its run, "grpc")
+        for run_name, way, server in ((GRPC_DIRECT_RUN, "direct", direct), (GRPC_PROXY_RUN, "proxy", proxied)):
+            url = f"127.0.0.1:{server.grpc_port}"  # with --proxy, Serve's gRPC proxy's port
+            loaders = {
+                "http json": lambda c, s, port=server.port: load(port, json_, c, s, WARMUP_S),
+                "grpc": lambda c, s, url=url: grpc_client.load(url, messages, c, s, WARMUP_S),
+            }
+            for label, loader in loaders.items():
+                parts[f"{way} {label}"] = load_sides(loader, args.concurrency, server, f"{way} {label}")
+                where[f"{way} {label}"] = (run_name, label)
+        got = rounds(interleaved(parts), args.rounds, args.seconds)
+    for part, (run_name, label) in where.items():
+        runs[run_name][label] = joined(got, part)
+    return runs
+
+
 LARGE = (64, 512)  # rows x tokens of the large requests: ~200 KB of JSON text against 256 KiB of int64
 LARGE_RUN = "serve (64 x 512 ids per request)"
 
@@ -615,7 +651,8 @@ def main(argv: list[str] | None = None) -> int:
         "--scenarios",
         type=lambda v: set(v.split(",")),
         default={"plain", "colocated", "deployment", "five", "int8", "protocols"},
-        help="which servers to measure besides bare ORT (default: plain,colocated,deployment,five,int8,protocols)",
+        help="which servers to measure besides bare ORT (default: plain,colocated,deployment,five,int8,protocols; "
+        "also grpc-proxy: gRPC and HTTP JSON in the replica against through Serve's proxies)",
     )
     p.add_argument(
         "--versus",
@@ -716,6 +753,8 @@ def main(argv: list[str] | None = None) -> int:
     if "protocols" in args.scenarios:
         runs.update(protocols(args, names["default"]))
         runs.update(large_requests(args))
+    if "grpc-proxy" in args.scenarios:
+        runs.update(grpc_proxy(args, names["default"]))
     figures = per_round(bare, plain, runs)
     report(bare, plain, runs, figures, args)
     protocol_cpu(runs)
