@@ -19,22 +19,24 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from loadtest import server_metrics
+from loadtest import binary, server_metrics
 from loadtest.compare import run_compare
 from loadtest.discovery import (
     DiscoveryError,
     ModelInfo,
     RemoteURLError,
+    check_extension,
     check_loopback,
     discover,
     select_models,
     wait_ready,
 )
+from loadtest.grpc_client import server_live
 from loadtest.progress import Progress
 from loadtest.report import ReportError, build_report, write_report
 from loadtest.runner import Level, Limits
 from loadtest.session import Outcome, Plan, run_session
-from loadtest.workload import PROTOCOLS, SeqLenSpec, WorkloadError, read_texts
+from loadtest.workload import DEFAULT_PROTOCOL, PROTOCOLS, SeqLenSpec, WorkloadError, parse_protocols, read_texts
 
 PROG = "mha-serving loadtest"
 
@@ -54,7 +56,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", default="fixed:32", help="fixed:N | uniform:LO:HI (tokens, BOS included) | file:PATH")
     p.add_argument("--batch-size", type=int, default=1, help="sequences per request")
     p.add_argument(
-        "--protocol", default="simple", choices=PROTOCOLS, help="simple JSON, Open Inference v2 (HTTP) or its gRPC"
+        "--protocol",
+        default=DEFAULT_PROTOCOL,
+        help=f"one or several of {', '.join(PROTOCOLS)}, comma-separated: simple JSON, Open Inference v2 over HTTP "
+        "(JSON, or binary tensor data) and over gRPC; several take turns at each level",
     )
     p.add_argument(
         "--grpc-url",
@@ -127,17 +132,17 @@ def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def _meta(args: argparse.Namespace, argv: list[str], limits: Limits, levels: tuple[Level, ...]) -> dict:
+def _meta(args: argparse.Namespace, argv: list[str], plan: Plan) -> dict:
     return {
         "tool": PROG,
         "argv": argv,
         "url": args.url,
         "started_at": _now(),
-        "protocol": args.protocol,
+        "protocol": ",".join(plan.protocols),
         "seq_len": args.seq_len,
         "batch_size": args.batch_size,
-        "limits": asdict(limits),
-        "planned_levels": [lv.label for lv in levels],
+        "limits": asdict(plan.limits),
+        "planned_levels": [lv.label for lv in plan.levels],
         "metrics_url": args.metrics_url,
         "metrics_names": args.metrics_name.split(",") if args.metrics_url else [],
         "metrics_match": args.metrics_match,
@@ -172,8 +177,10 @@ def _plots(outcome: Outcome, out: Path) -> list[str]:
     return write_plots(outcome.results, out)
 
 
-def _discover(args: argparse.Namespace, base_url: str, outcome: Outcome) -> list[ModelInfo]:
-    """The selected models, each ready (waiting up to --ready-timeout); models that never get ready are failures."""
+def _discover(args: argparse.Namespace, plan: Plan, outcome: Outcome) -> list[ModelInfo]:
+    """The selected models, each ready (waiting up to --ready-timeout); models that never get ready are failures.
+    DiscoveryError when the service cannot take a protocol asked for."""
+    base_url = plan.base_url
     with httpx.Client(timeout=10.0, trust_env=False) as client:
         models = select_models(discover(client, base_url), args.models)
         waiting = [m.name for m in models if not m.ready]
@@ -181,6 +188,13 @@ def _discover(args: argparse.Namespace, base_url: str, outcome: Outcome) -> list
         if waiting:
             listed = {m.name: m for m in discover(client, base_url)}
             models = [listed.get(m.name, m) for m in models]
+        if "v2-binary" in plan.protocols:
+            check_extension(client, base_url, binary.EXTENSION, "--protocol v2-binary")
+    if plan.grpc_url and (problem := server_live(plan.grpc_url, plan.limits.timeout_s)):
+        raise DiscoveryError(
+            f"no gRPC service at {plan.grpc_url} for --protocol grpc ({problem}); give --grpc-url the service's "
+            "gRPC address (mha-serving serve --grpc-port)"
+        )
     outcome.failures += [f"{n}: not ready after {args.ready_timeout:g} s; skipped" for n in late]
     ready = [m for m in models if m.name not in late and m.heads > 0]
     if not ready:
@@ -225,6 +239,9 @@ def _plan(args: argparse.Namespace) -> Plan:
         raise WorkloadError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.metrics_url:
         check_loopback(args.metrics_url, args.allow_remote)
+    protocols = parse_protocols(args.protocol)
+    if args.grpc_url and "grpc" not in protocols:
+        raise WorkloadError(f"--grpc-url is for --protocol grpc, and --protocol {args.protocol!r} has no grpc")
     return Plan(
         base_url=check_loopback(args.url, args.allow_remote),
         models=(),
@@ -232,8 +249,8 @@ def _plan(args: argparse.Namespace) -> Plan:
         limits=_limits(args),
         seq_len=seq_len,
         batch_size=args.batch_size,
-        protocol=args.protocol,
-        grpc_url=_grpc_address(args) if args.protocol == "grpc" else "",
+        protocols=protocols,
+        grpc_url=_grpc_address(args) if "grpc" in protocols else "",
         metrics_url=args.metrics_url,
         metrics_names=tuple(n.strip() for n in args.metrics_name.split(",") if n.strip()),
         metrics_match=_label_pairs(args.metrics_match),
@@ -271,9 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, RemoteURLError) as exc:
         return _fail(str(exc), 2)
     out = Path(args.out or f"reports/{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
-    meta, outcome = _meta(args, argv, plan.limits, plan.levels), Outcome()
+    meta, outcome = _meta(args, argv, plan), Outcome()
     try:
-        plan = replace(plan, models=tuple(_discover(args, plan.base_url, outcome)))
+        plan = replace(plan, models=tuple(_discover(args, plan, outcome)))
     except DiscoveryError as exc:
         _finish(out, meta, outcome, f"nothing measured: {exc}")
         return _fail(f"{exc} (report: {out})", 2)

@@ -1,4 +1,4 @@
-"""Two reports side by side (A = before, B = after): each model and level found in both, with ratios B / A."""
+"""Two reports side by side (A = before, B = after): each model, protocol and level found in both, with ratios B / A."""
 
 from __future__ import annotations
 
@@ -15,11 +15,12 @@ METRICS = ("p50", "p99", "throughput_rps")
 
 @dataclass(frozen=True)
 class Comparison:
-    """One (model, level) in both reports: each metric's values in A and B and the ratio B / A."""
+    """One (model, protocol, level) in both reports: each metric's values in A and B and the ratio B / A."""
 
     model: str
     heads: int
     precision: str
+    protocol: str
     level: str
     values: dict[str, tuple[float, float, float]]  # metric -> (A, B, B / A)
 
@@ -36,21 +37,21 @@ def ratio(a: float, b: float) -> float:
 
 
 def compare(a: list[LevelResult], b: list[LevelResult]) -> tuple[list[Comparison], list[str]]:
-    """Matched rows (in A's order) and the (model, level) keys present in only one report."""
-    index_b = {(r.model, r.level): r for r in b}
-    keys_a = {(r.model, r.level) for r in a}
+    """Matched rows (in A's order) and the (model, protocol, level) keys present in only one report."""
+    index_b = {(r.model, r.protocol, r.level): r for r in b}
+    keys_a = {(r.model, r.protocol, r.level) for r in a}
     rows = []
     for ra in a:
-        rb = index_b.get((ra.model, ra.level))
+        rb = index_b.get((ra.model, ra.protocol, ra.level))
         if rb is None:
             continue
         values = {}
         for metric in METRICS:
             va, vb = _value(ra, metric), _value(rb, metric)
             values[metric] = (va, vb, ratio(va, vb))
-        rows.append(Comparison(ra.model, ra.heads, ra.precision, ra.level, values))
-    only = [f"only in A: {m} {lv}" for m, lv in keys_a - index_b.keys()]
-    only += [f"only in B: {m} {lv}" for m, lv in index_b.keys() - keys_a]
+        rows.append(Comparison(ra.model, ra.heads, ra.precision, ra.protocol, ra.level, values))
+    only = [f"only in A: {' '.join(key)}" for key in keys_a - index_b.keys()]
+    only += [f"only in B: {' '.join(key)}" for key in index_b.keys() - keys_a]
     return rows, sorted(only)
 
 
@@ -60,19 +61,19 @@ def _fmt(x: float, digits: int = 2) -> str:
 
 def markdown(rows: list[Comparison], only: list[str], label_a: str, label_b: str) -> str:
     lines = ["# Load test comparison", "", f"- A: {label_a}", f"- B: {label_b}", "- ratio: B / A", ""]
-    headers = ["model", "h", "precision", "level"]
+    headers = ["model", "h", "precision", "protocol", "level"]
     for metric in METRICS:
         name = "req/s" if metric == "throughput_rps" else f"{metric} ms"
         headers += [f"A {name}", f"B {name}", f"{metric} B/A"]
     lines += ["| " + " | ".join(headers) + " |", "|" + " --- |" * len(headers)]
     for row in rows:
-        cells = [row.model, str(row.heads), row.precision, row.level]
+        cells = [row.model, str(row.heads), row.precision, row.protocol, row.level]
         for metric in METRICS:
             a, b, r = row.values[metric]
             cells += [_fmt(a, 1), _fmt(b, 1), _fmt(r)]
         lines.append("| " + " | ".join(cells) + " |")
     if not rows:
-        lines.append("\nNo model and level is in both reports.")
+        lines.append("\nNo model, protocol and level is in both reports.")
     lines += [f"- {o}" for o in ([""] if only else []) + only if o]
     return "\n".join(lines) + "\n"
 
@@ -92,7 +93,8 @@ def run_compare(path_a: Path, path_b: Path, out_dir: Path | None) -> str:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "compare.md").write_text(text, encoding="utf-8")
         data = [
-            {"model": r.model, "heads": r.heads, "precision": r.precision, "level": r.level, "values": _json_values(r)}
+            {"model": r.model, "heads": r.heads, "precision": r.precision, "protocol": r.protocol, "level": r.level}
+            | {"values": _json_values(r)}
             for r in rows
         ]
         (out_dir / "compare.json").write_text(json.dumps({"rows": data, "unmatched": only}, indent=2) + "\n")

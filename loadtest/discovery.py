@@ -135,6 +135,17 @@ def discover(client: httpx.Client, base_url: str) -> list[ModelInfo]:
     return models
 
 
+def check_extension(client: httpx.Client, base_url: str, extension: str, needed_by: str) -> None:
+    """DiscoveryError unless the service's `GET /v2` lists `extension`."""
+    server = _get_json(client, f"{base_url}/v2")
+    listed = server.get("extensions") if isinstance(server, dict) else None
+    if not isinstance(listed, list) or extension not in listed:
+        raise DiscoveryError(
+            f"the service at {base_url} does not list the {extension} extension that {needed_by} needs "
+            f"(GET /v2 lists {listed})"
+        )
+
+
 def select_models(models: list[ModelInfo], spec: str) -> list[ModelInfo]:
     """`all` (by d_model, h, then precision: each int8 variant right after its fp32 source) or a comma-separated
     list of names, in the order asked; DiscoveryError names unknown ones."""

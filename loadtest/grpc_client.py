@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Sequence
 
 import grpc
 import numpy as np
@@ -77,6 +78,16 @@ def load(url: str, messages: list, concurrency: int, seconds: float, warmup_s: f
     return LoadResult.within(out, start, deadline)
 
 
+def server_live(address: str, timeout_s: float) -> str:
+    """Why the gRPC service at `address` (host:port) is not live (its ServerLive's error), or "" when it is."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            answer = pb_grpc.GRPCInferenceServiceStub(channel).ServerLive(pb.ServerLiveRequest(), timeout=timeout_s)
+        except grpc.RpcError as exc:
+            return f"{exc.code().name}: {exc.details()}"
+    return "" if answer.live else "ServerLive answered live: false"
+
+
 # A failed call as the HTTP status the same error gets over HTTP, so the load tester's report counts both alike.
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
@@ -96,7 +107,8 @@ class GrpcPool:
         self._channel = grpc.aio.insecure_channel(address)
         self._methods: dict[str, grpc.aio.UnaryUnaryMultiCallable] = {}
 
-    async def post(self, path: str, body: bytes) -> Response:
+    async def post(self, path: str, body: bytes, headers: Sequence[tuple[str, str]] = ()) -> Response:
+        """Call `path` with `body` (`headers` are HTTP's: a request message carries all it needs)."""
         method = self._methods.get(path)
         if method is None:
             method = self._methods[path] = self._channel.unary_unary(path)  # bytes in, bytes out

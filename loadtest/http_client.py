@@ -15,7 +15,8 @@ import asyncio
 import socket
 import ssl
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import BinaryIO
 from urllib.parse import urlsplit
 
@@ -36,6 +37,7 @@ class HTTPError(Exception):
 class Response:
     status: int
     body: bytes
+    headers: dict[str, str] = field(default_factory=dict)  # by lower-case name
 
 
 class _Closed(Exception):
@@ -61,9 +63,12 @@ async def _read_response(reader: asyncio.StreamReader) -> tuple[Response, bool]:
         raise _Closed("the server closed the connection")
     version, status = status_line.split(b" ", 2)[:2]
     length, chunked, keep = None, False, version == b"HTTP/1.1"
+    headers: dict[str, str] = {}
     while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
         name, _, value = line.partition(b":")
-        name, value = name.strip().lower(), value.strip().lower()
+        name, value = name.strip().lower(), value.strip()
+        headers[name.decode("latin-1")] = value.decode("latin-1")
+        value = value.lower()
         if name == b"content-length":
             length = int(value)
         elif name == b"transfer-encoding":
@@ -76,7 +81,7 @@ async def _read_response(reader: asyncio.StreamReader) -> tuple[Response, bool]:
         body = await reader.readexactly(length)
     else:
         body, keep = await reader.read(), False  # until the server closes
-    return Response(int(status), body), keep
+    return Response(int(status), body, headers), keep
 
 
 class ConnectionPool:
@@ -99,10 +104,11 @@ class ConnectionPool:
         except OSError as exc:
             raise HTTPError("connect_error", f"cannot connect to {self.host}:{self.port}: {exc}") from None
 
-    def request_bytes(self, path: str, body: bytes) -> bytes:
+    def request_bytes(self, path: str, body: bytes, headers: Sequence[tuple[str, str]] = ()) -> bytes:
+        extra = "".join(f"{name}: {value}\r\n" for name, value in headers).encode("latin-1")
         head = (
-            b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
-            b"Connection: keep-alive\r\n\r\n" % ((self.prefix + path).encode(), self.host_header, len(body))
+            b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s"
+            b"Connection: keep-alive\r\n\r\n" % ((self.prefix + path).encode(), self.host_header, len(body), extra)
         )
         return head + body
 
@@ -121,9 +127,10 @@ class ConnectionPool:
             writer.close()
         return response
 
-    async def post(self, path: str, body: bytes) -> Response:
-        """POST a JSON body; HTTPError when no HTTP answer came (refused, timed out, closed, malformed)."""
-        raw = self.request_bytes(path, body)
+    async def post(self, path: str, body: bytes, headers: Sequence[tuple[str, str]] = ()) -> Response:
+        """POST a JSON body (with `headers` added: a binary body's Inference-Header-Content-Length); HTTPError when no
+        HTTP answer came (refused, timed out, closed, malformed)."""
+        raw = self.request_bytes(path, body, headers)
         try:
             async with asyncio.timeout(self.timeout_s):
                 while self._idle:  # a reused connection the server has closed meanwhile: try the next, then a new one

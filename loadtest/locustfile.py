@@ -3,7 +3,7 @@
 Locust is not a dependency of the project: `pip install locust`, then for example
     locust -f loadtest/locustfile.py --host http://127.0.0.1:8000 --headless -u 8 -r 8 -t 30s
 Settings come from environment variables: MHA_MODELS (`all` or names, comma-separated), MHA_SEQ_LEN (`fixed:32`),
-MHA_BATCH_SIZE (1), MHA_PROTOCOL (`simple` or `v2`), MHA_RATE (requests/s per user; unset: back to back).
+MHA_BATCH_SIZE (1), MHA_PROTOCOL (`simple`, `v2` or `v2-binary`), MHA_RATE (requests/s per user; unset: back to back).
 Locust's statistics are grouped per model (the request name is the model's name and protocol).
 """
 
@@ -35,8 +35,8 @@ class ModelUser(HttpUser):
         models = select_models([parse_model(e) for e in listing["models"]], MODELS)
         plan = []
         for model in models:
-            bodies, _ = build_bodies(SEQ_LEN, model.max_len, BATCH_SIZE, PROTOCOL)
-            plan.append((model.name, endpoint(PROTOCOL, model.name), bodies))
+            bodies, _ = build_bodies(SEQ_LEN, model.max_len, BATCH_SIZE, (PROTOCOL,))
+            plan.append((model.name, endpoint(PROTOCOL, model.name), bodies[PROTOCOL]))
         self.requests = itertools.cycle(
             [(n, path, bodies[i]) for i in range(8) for n, path, bodies in plan]
         )  # models in turn
@@ -44,4 +44,5 @@ class ModelUser(HttpUser):
     @task
     def infer(self) -> None:
         name, path, body = next(self.requests)
-        self.client.post(path, data=body.content, headers=HEADERS, name=f"{name} ({PROTOCOL})")
+        headers = HEADERS | dict(body.headers)
+        self.client.post(path, data=body.content, headers=headers, name=f"{name} ({PROTOCOL})")

@@ -1,6 +1,7 @@
 """The report's PNG plots (matplotlib, Agg): latency versus h, throughput versus concurrency, latency-throughput.
 
-Models of the same h at different precisions (an fp32 model and its int8 variant) are separate lines throughout.
+Models of the same h at different precisions (an fp32 model and its int8 variant) are separate lines throughout, and
+so is each protocol of a run that measured several.
 """
 
 from __future__ import annotations
@@ -12,35 +13,52 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from loadtest.stats import LevelResult, precision_rank
+from loadtest.stats import LevelResult, precision_rank, protocol_rank
 
 
 def _measured(results: list[LevelResult]) -> list[LevelResult]:
     return [r for r in results if r.latency_ms]
 
 
-def series_name(r: LevelResult) -> str:
-    return f"h={r.heads} {r.precision} ({r.model})"
+def _several_protocols(results: list[LevelResult]) -> bool:
+    return len({r.protocol for r in results}) > 1
+
+
+def series_name(r: LevelResult, with_protocol: bool = False) -> str:
+    return f"h={r.heads} {r.precision}{f' {r.protocol}' if with_protocol else ''} ({r.model})"
 
 
 def series(results: list[LevelResult]) -> dict[str, list[LevelResult]]:
-    """One series per model, named by its h and precision, ordered by h and then precision (fp32 first)."""
+    """One series per model (and protocol, when there are several), named by its h and precision (and protocol),
+    ordered by h, then precision (fp32 first), then protocol."""
     out: dict[str, list[LevelResult]] = {}
+    with_protocol = _several_protocols(results)
     for r in sorted(results, key=lambda r: (*r.group_key, r.model)):
-        out.setdefault(series_name(r), []).append(r)
+        out.setdefault(series_name(r, with_protocol), []).append(r)
     return out
 
 
-def precisions(results: list[LevelResult]) -> list[str]:
-    """The precisions measured, fp32 first."""
-    return sorted({r.precision for r in results}, key=lambda p: (precision_rank(p), p))
+def kinds(results: list[LevelResult]) -> list[tuple[str, str]]:
+    """The (precision, protocol) pairs measured: fp32 first, protocols in `--protocol`'s documented order."""
+    pairs = {(r.precision, r.protocol) for r in results}
+    return sorted(pairs, key=lambda k: (precision_rank(k[0]), k[0], protocol_rank(k[1]), k[1]))
+
+
+def _told_apart(results: list[LevelResult], with_h: bool = True) -> str:
+    """What tells a plot's lines apart, for its title."""
+    several = _several_protocols(results)
+    if with_h:
+        return "h, precision and protocol" if several else "h and precision"
+    return "precision and protocol" if several else "precision"
 
 
 def latency_vs_heads(results: list[LevelResult], path: Path) -> bool:
-    """One panel per load level: p50/p90/p99 against the number of heads, a line per percentile and precision."""
+    """One panel per load level: p50/p90/p99 against the number of heads, a line per percentile and precision (and
+    protocol, when there are several)."""
     measured = _measured(results)
     levels = list(dict.fromkeys(r.level for r in measured))
-    kinds = precisions(measured)
+    lines = kinds(measured)
+    with_protocol = _several_protocols(measured)
     if not levels:
         return False
     cols = min(len(levels), 4)
@@ -51,11 +69,13 @@ def latency_vs_heads(results: list[LevelResult], path: Path) -> bool:
     for ax, level in zip(axes.flat, levels, strict=False):
         at_level = [r for r in measured if r.level == level]
         heads = [r.heads for r in at_level]
-        for k, precision in enumerate(kinds):
-            rows = sorted((r for r in at_level if r.precision == precision), key=lambda r: (r.heads, r.model))
+        for k, (precision, protocol) in enumerate(lines):
+            rows = [r for r in at_level if (r.precision, r.protocol) == (precision, protocol)]
+            rows.sort(key=lambda r: (r.heads, r.model))
+            name = f"{precision} {protocol}" if with_protocol else precision
             for i, (key, style) in enumerate((("p50", "o-"), ("p90", "s--"), ("p99", "^:"))):
                 x, y = [r.heads for r in rows], [r.latency_ms[key] for r in rows]
-                ax.plot(x, y, style, color=f"C{(3 * k + i) % 10}", label=f"{key} {precision}")
+                ax.plot(x, y, style, color=f"C{(3 * k + i) % 10}", label=f"{key} {name}")
         ax.set_xscale("log", base=2)
         ax.set_xticks(sorted(set(heads)), [str(h) for h in sorted(set(heads))])
         ax.set_yscale("log")
@@ -64,8 +84,8 @@ def latency_vs_heads(results: list[LevelResult], path: Path) -> bool:
         ax.grid(True, which="both", alpha=0.3)
     for row in axes:
         row[0].set_ylabel("client latency (ms)")
-    axes[0][0].legend()
-    fig.suptitle("Latency percentiles versus h, per precision")
+    axes[0][0].legend(fontsize=7 if with_protocol else None)
+    fig.suptitle(f"Latency percentiles versus h, per {_told_apart(measured, with_h=False)}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -73,7 +93,7 @@ def latency_vs_heads(results: list[LevelResult], path: Path) -> bool:
 
 
 def throughput_vs_concurrency(results: list[LevelResult], path: Path) -> bool:
-    """Closed-loop throughput against concurrency, one line per head configuration and precision."""
+    """Closed-loop throughput against concurrency, one line per head configuration and precision (and protocol)."""
     closed = [r for r in _measured(results) if r.mode == "closed"]
     if not closed:
         return False
@@ -86,7 +106,7 @@ def throughput_vs_concurrency(results: list[LevelResult], path: Path) -> bool:
     ax.set_xticks(levels, [str(c) for c in levels])
     ax.set_xlabel("concurrency (closed loop)")
     ax.set_ylabel("throughput (requests/s)")
-    ax.set_title("Throughput versus concurrency per h and precision")
+    ax.set_title(f"Throughput versus concurrency per {_told_apart(closed)}")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -96,8 +116,8 @@ def throughput_vs_concurrency(results: list[LevelResult], path: Path) -> bool:
 
 
 def latency_throughput(results: list[LevelResult], path: Path) -> bool:
-    """p50 and p99 against achieved throughput per h and precision: closed-loop levels by concurrency, open-loop
-    levels by rate."""
+    """p50 and p99 against achieved throughput per h and precision (and protocol): closed-loop levels by
+    concurrency, open-loop levels by rate."""
     measured = _measured(results)
     if not measured:
         return False
@@ -115,7 +135,7 @@ def latency_throughput(results: list[LevelResult], path: Path) -> bool:
         ax.set_ylabel(f"client {key} latency (ms)")
         ax.grid(True, alpha=0.3)
     axes[0].legend(fontsize=7)
-    fig.suptitle("Latency versus throughput per h and precision")
+    fig.suptitle(f"Latency versus throughput per {_told_apart(measured)}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -48,15 +48,14 @@ class Progress:
             self.stream.write(text + "\n")
         self.stream.flush()
 
-    def done(self, result: LevelResult) -> None:
+    def done(self, label: str, result: LevelResult) -> None:
         if self.quiet:
             return
         lat = result.latency_ms
         p50 = f"p50 {lat['p50']:.1f} ms  p99 {lat['p99']:.1f} ms" if lat else "no successful responses"
         failed = sum(result.errors.values())
         text = (
-            f"{result.model} {result.level}: {result.ok} ok, {failed} errors, {result.throughput_rps:.1f} req/s, "
-            f"{p50} ({result.stopped_by})"
+            f"{label}: {result.ok} ok, {failed} errors, {result.throughput_rps:.1f} req/s, {p50} ({result.stopped_by})"
         )
         self.stream.write(("\r\033[K" if self.tty else "") + text + "\n")
         self.stream.flush()

@@ -8,13 +8,15 @@ import math
 from pathlib import Path
 
 from loadtest.stats import LevelResult
+from loadtest.workload import DEFAULT_PROTOCOL
 
 REPORT_VERSION = 1
 LATENCY_KEYS = ("p50", "p90", "p95", "p99", "max", "mean")
 SERVER_KEYS = ("count", "p50", "p90", "p95", "p99")
-# precision right after the head configuration, in the order of the service's metric labels (service/metrics.py)
+# precision right after the head configuration, in the order of the service's metric labels (service/metrics.py),
+# then how the load was sent: protocol, mode and level
 CSV_COLUMNS = (
-    ["model", "heads", "head_dim", "d_model", "precision", "mode", "level", "concurrency", "offered_rate"]
+    ["model", "heads", "head_dim", "d_model", "precision", "protocol", "mode", "level", "concurrency", "offered_rate"]
     + ["achieved_rate", "batch_size", "duration_s", "sent", "ok", "errors_total", "errors", "dropped"]
     + ["throughput_rps", "sequences_per_s"]
     + [f"{k}_ms" for k in LATENCY_KEYS]
@@ -33,7 +35,7 @@ def build_report(meta: dict[str, object], results: list[LevelResult], notes: lis
 
 
 def csv_row(r: LevelResult) -> dict[str, object]:
-    row: dict[str, object] = {k: getattr(r, k) for k in ("model", "heads", "head_dim", "d_model", "precision", "mode")}
+    row: dict[str, object] = {k: getattr(r, k) for k in CSV_COLUMNS[:7]}  # model ... mode
     row |= {"level": r.level, "concurrency": r.concurrency, "offered_rate": r.offered_rate}
     row |= {"achieved_rate": round(r.achieved_rate, 3), "batch_size": r.batch_size, "duration_s": r.duration_s}
     row |= {"sent": r.sent, "ok": r.ok, "errors_total": sum(r.errors.values()), "dropped": r.dropped}
@@ -57,8 +59,8 @@ def _table(headers: list[str], rows: list[list[object]]) -> list[str]:
 
 
 def level_rows(results: list[LevelResult], with_server: bool) -> tuple[list[str], list[list[object]]]:
-    """The main table: one row per model and level, client-side (and server-side) latency side by side."""
-    headers = ["model", "h", "precision", "head_dim", "level", "ok", "errors", "req/s", "seq/s"]
+    """The main table: one row per model, level and protocol, client-side (and server-side) latency side by side."""
+    headers = ["model", "h", "precision", "head_dim", "protocol", "level", "ok", "errors", "req/s", "seq/s"]
     headers += ["p50 ms", "p90 ms", "p95 ms", "p99 ms", "max ms", "client CPU %"]
     if any(r.mode == "open" for r in results):
         headers += ["offered/s", "achieved/s", "dropped"]
@@ -67,13 +69,31 @@ def level_rows(results: list[LevelResult], with_server: bool) -> tuple[list[str]
     rows = []
     for r in results:
         lat = r.latency_ms
-        row: list[object] = [r.model, r.heads, r.precision, r.head_dim, r.level, r.ok, sum(r.errors.values())]
+        row: list[object] = [r.model, r.heads, r.precision, r.head_dim, r.protocol, r.level, r.ok]
+        row.append(sum(r.errors.values()))
         row += [r.throughput_rps, r.sequences_per_s] + [lat.get(k, "") for k in ("p50", "p90", "p95", "p99", "max")]
         row.append(r.client_cpu_pct)
         if "offered/s" in headers:
             row += [r.offered_rate or "", r.achieved_rate, r.dropped] if r.mode == "open" else ["", "", ""]
         if with_server:
             row += [r.server.get("count", ""), r.server.get("p50", ""), r.server.get("p99", "")]
+        rows.append(row)
+    return headers, rows
+
+
+def protocol_rows(results: list[LevelResult]) -> tuple[list[str], list[list[object]]]:
+    """Each model and level across the protocols it was measured under: p50, p99 and req/s side by side."""
+    protocols = list(dict.fromkeys(r.protocol for r in results))
+    headers = ["model", "level"] + [f"{p} {k}" for p in protocols for k in ("p50 ms", "p99 ms", "req/s")]
+    cells: dict[tuple[str, str], dict[str, LevelResult]] = {}
+    for r in results:
+        cells.setdefault((r.model, r.level), {})[r.protocol] = r
+    rows = []
+    for (model, level), by_protocol in cells.items():
+        row: list[object] = [model, level]
+        for p in protocols:
+            r = by_protocol.get(p)
+            row += [r.latency_ms.get("p50", ""), r.latency_ms.get("p99", ""), r.throughput_rps] if r else ["", "", ""]
         rows.append(row)
     return headers, rows
 
@@ -103,9 +123,13 @@ def markdown(report: dict[str, object], results: list[LevelResult], plots: list[
         lines += _table(headers, rows)
     else:
         lines.append("Nothing was measured.")
-    errors = [[r.model, r.level, k, n, r.error_examples.get(k, "")] for r in results for k, n in r.errors.items()]
+    if len({r.protocol for r in results}) > 1:
+        lines += ["", "## Per model and load level, protocols side by side", "", *_table(*protocol_rows(results))]
+    errors = [
+        [r.model, r.protocol, r.level, k, n, r.error_examples.get(k, "")] for r in results for k, n in r.errors.items()
+    ]
     if errors:
-        lines += ["", "## Errors", "", *_table(["model", "level", "status", "count", "example"], errors)]
+        lines += ["", "## Errors", "", *_table(["model", "protocol", "level", "status", "count", "example"], errors)]
     if report.get("notes"):
         lines += ["", "## Notes", "", *(f"- {n}" for n in report["notes"])]  # type: ignore[union-attr]
     if plots:
@@ -133,4 +157,6 @@ def load_report(path: Path) -> tuple[dict[str, object], list[LevelResult]]:
         raise ReportError(f"{path}: not a readable load-test report ({exc})") from None
     if not isinstance(report, dict) or not isinstance(report.get("levels"), list):
         raise ReportError(f"{file}: has no 'levels' list; is it a report.json written by `mha-serving loadtest`?")
-    return report, [LevelResult.from_json(level) for level in report["levels"]]
+    # a report from before levels had a protocol measured one, the one its run names
+    run_protocol = {"protocol": report.get("protocol", DEFAULT_PROTOCOL)}
+    return report, [LevelResult.from_json(run_protocol | level) for level in report["levels"]]

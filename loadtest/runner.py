@@ -13,13 +13,14 @@ import random
 import ssl
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from loadtest.discovery import ModelInfo
 from loadtest.grpc_client import GrpcPool
-from loadtest.http_client import ConnectionPool, HTTPError
+from loadtest.http_client import ConnectionPool, HTTPError, Response
 from loadtest.stats import LevelResult, latency_summary, percentile
-from loadtest.workload import RequestBody
+from loadtest.workload import DEFAULT_PROTOCOL, RequestBody
 
 _HEADERS = {"content-type": "application/json"}
 ABORT_AFTER = 20  # a level whose first ABORT_AFTER requests all fail is stopped early
@@ -50,12 +51,15 @@ class Level:
 
 @dataclass(frozen=True)
 class Target:
-    """Where requests for one model go and the bodies they carry (cycled)."""
+    """Where requests for one model under one protocol go, the bodies they carry (cycled), and what else than a 200
+    a good answer must be (`check` says what is wrong with one, "" when nothing)."""
 
     model: ModelInfo
     path: str  # under the service's base URL, e.g. /v1/models/mha-h8-d512/predict
     bodies: tuple[RequestBody, ...]
     batch_size: int
+    protocol: str = DEFAULT_PROTOCOL
+    check: Callable[[Response, int], str] | None = None  # (answer, sequences asked) -> problem
 
 
 class Recorder:
@@ -128,6 +132,7 @@ class Recorder:
             head_dim=m.head_dim,
             d_model=m.d_model,
             precision=m.precision,
+            protocol=target.protocol,
             mode=level.mode,
             concurrency=int(level.value) if level.mode == "closed" else 0,
             offered_rate=level.value if level.mode == "open" else 0.0,
@@ -147,14 +152,16 @@ class Recorder:
         )
 
 
-async def post(pool: ConnectionPool | GrpcPool, path: str, body: RequestBody) -> tuple[str, str]:
-    """Send one request; ("", "") on HTTP 200, else (status code or transport error kind, message)."""
+async def post(pool: ConnectionPool | GrpcPool, target: Target, body: RequestBody) -> tuple[str, str]:
+    """Send one request; ("", "") on HTTP 200 (that passes the target's check), else (status code, transport error
+    kind or `malformed_answer`, message)."""
     try:
-        response = await pool.post(path, body.content)
+        response = await pool.post(target.path, body.content, body.headers)
     except HTTPError as exc:
         return exc.kind, str(exc)
     if response.status == 200:
-        return "", ""
+        problem = target.check(response, body.sequences) if target.check else ""
+        return ("malformed_answer", problem) if problem else ("", "")
     try:
         message = str(json.loads(response.body).get("error", response.body[:300]))
     except (ValueError, AttributeError):
@@ -183,7 +190,7 @@ async def closed_loop(pool: ConnectionPool, target: Target, workers: int, rec: R
             body = bodies[k % len(bodies)]
             k += workers
             t = time.perf_counter()
-            error, message = await post(pool, target.path, body)
+            error, message = await post(pool, target, body)
             rec.record(time.perf_counter() - t, error, message, body.sequences)
 
     await asyncio.gather(*(worker(i) for i in range(workers)))
@@ -196,7 +203,7 @@ async def open_loop(pool: ConnectionPool, target: Target, rate: float, cap: int,
 
     async def one(scheduled: float, body: RequestBody) -> None:
         rec.lags.append(time.perf_counter() - scheduled)
-        error, message = await post(pool, target.path, body)
+        error, message = await post(pool, target, body)
         rec.record(time.perf_counter() - scheduled, error, message, body.sequences)
 
     try:
@@ -248,7 +255,7 @@ def _tls() -> ssl.SSLContext:
     return ssl.create_default_context()  # made once: loading the CA store takes ~0.1 s
 
 
-def make_pool(address: str, limits: Limits, protocol: str = "simple") -> ConnectionPool | GrpcPool:
+def make_pool(address: str, limits: Limits, protocol: str = DEFAULT_PROTOCOL) -> ConnectionPool | GrpcPool:
     """Keep-alive connections to the service for one phase (as many as the phase has requests in flight), or for
     `grpc` one channel to `address` (host:port) that carries them all."""
     if protocol == "grpc":

@@ -1,4 +1,6 @@
-"""A whole run: every selected model at every load level, warm-up first, server-side metrics around each level.
+"""A whole run: every selected model at every load level under every protocol, warm-up first, server-side metrics
+around each level. A model's protocols take turns at each level (the same requests in each), so a drift in the
+machine's load falls on all of them alike.
 
 Results accumulate in an Outcome as they are measured, so an interrupted or failing run still has a report to write.
 """
@@ -16,7 +18,7 @@ from loadtest.discovery import ModelInfo
 from loadtest.progress import Progress
 from loadtest.runner import Level, Limits, Recorder, Target, make_pool, run_phase
 from loadtest.stats import LevelResult
-from loadtest.workload import SeqLenSpec, build_bodies, endpoint
+from loadtest.workload import ANSWER_CHECKS, DEFAULT_PROTOCOL, SeqLenSpec, build_bodies, endpoint
 
 CLIENT_CPU_WARN_PCT = 70.0  # above this, the report notes that the client may be competing with the service
 
@@ -31,7 +33,7 @@ class Plan:
     limits: Limits
     seq_len: SeqLenSpec
     batch_size: int = 1
-    protocol: str = "simple"
+    protocols: tuple[str, ...] = (DEFAULT_PROTOCOL,)
     grpc_url: str = ""  # host:port of the gRPC service (protocol grpc)
     metrics_url: str = ""
     metrics_names: tuple[str, ...] = server_metrics.DEFAULT_METRICS  # the first with data is used
@@ -103,7 +105,7 @@ class _ServerSide:
 async def _phase(
     target: Target, level: Level, plan: Plan, duration: float, stop: asyncio.Event, progress: Progress, label: str
 ) -> Recorder:
-    pool = make_pool(plan.grpc_url if plan.protocol == "grpc" else plan.base_url, plan.limits, plan.protocol)
+    pool = make_pool(plan.grpc_url if target.protocol == "grpc" else plan.base_url, plan.limits, target.protocol)
     rec = Recorder(duration, plan.limits.max_requests, stop)
     watcher = asyncio.ensure_future(progress.watch(label, rec))
     try:
@@ -116,11 +118,17 @@ async def _phase(
     return rec
 
 
-def _keep(result: LevelResult, rec: Recorder, outcome: Outcome, progress: Progress) -> bool:
-    """Add a level's result to the outcome; False when the model failed (its remaining levels are skipped)."""
+def _where(target: Target, level: Level, plan: Plan) -> str:
+    """A level's name in progress lines and failures: the protocol named when the run has several."""
+    protocol = f" {target.protocol}" if len(plan.protocols) > 1 else ""
+    return f"{target.model.name}{protocol} {level.label}"
+
+
+def _keep(result: LevelResult, rec: Recorder, outcome: Outcome, progress: Progress, where: str) -> bool:
+    """Add a level's result to the outcome; False when it failed (the protocol's remaining levels for this model are
+    skipped)."""
     outcome.results.append(result)
-    progress.done(result)
-    where = f"{result.model} {result.level}"
+    progress.done(where, result)
     if result.client_cpu_pct > CLIENT_CPU_WARN_PCT:
         outcome.notes.append(
             f"{where}: the load tester itself used {result.client_cpu_pct:.0f}% of a core; "
@@ -134,38 +142,48 @@ def _keep(result: LevelResult, rec: Recorder, outcome: Outcome, progress: Progre
     return True
 
 
+def _targets(model: ModelInfo, plan: Plan, outcome: Outcome) -> list[Target]:
+    """One target per protocol, each carrying the same texts."""
+    args = (plan.seq_len, model.max_len, plan.batch_size, plan.protocols)
+    bodies, notes = build_bodies(*args, seed=plan.seed, model=model.name)
+    outcome.notes += [f"{model.name}: {n}" for n in notes]
+    return [
+        Target(model, endpoint(p, model.name), tuple(bodies[p]), plan.batch_size, p, ANSWER_CHECKS.get(p))
+        for p in plan.protocols
+    ]
+
+
 async def _run_model(
     model: ModelInfo, plan: Plan, outcome: Outcome, stop: asyncio.Event, progress: Progress, server: _ServerSide
 ) -> None:
-    bodies, notes = build_bodies(
-        plan.seq_len, model.max_len, plan.batch_size, plan.protocol, seed=plan.seed, model=model.name
-    )
-    outcome.notes += [f"{model.name}: {n}" for n in notes]
-    target = Target(model, endpoint(plan.protocol, model.name), tuple(bodies), plan.batch_size)
+    targets = _targets(model, plan, outcome)
     await asyncio.to_thread(server.start, model.name)
-    seen_ok = 0  # successful requests to this model so far, warm-ups included
+    seen_ok = 0  # successful requests to this model so far, under every protocol, warm-ups included
     for level in plan.levels:
-        if stop.is_set():
-            return
-        warm_sent = warm_ok = 0
-        if plan.limits.warmup_s > 0:
-            label = f"{model.name} {level.label} warm-up"
-            warm = await _phase(target, level, plan, plan.limits.warmup_s, stop, progress, label)
-            warm_sent, warm_ok = warm.sent, warm.ok
-            seen_ok += warm.ok
+        for target in list(targets):
             if stop.is_set():
                 return
-        before = await asyncio.to_thread(server.settle, model.name, seen_ok)
-        rec = await _phase(target, level, plan, plan.limits.duration_s, stop, progress, f"{model.name} {level.label}")
-        if rec.sent == 0 and stop.is_set():
-            return
-        seen_ok += rec.ok
-        result = replace(rec.result(target, level), warmup_sent=warm_sent, warmup_ok=warm_ok)
-        after = await asyncio.to_thread(server.settle, model.name, seen_ok) if before and not stop.is_set() else None
-        if before and after:
-            result = replace(result, server=server.percentiles(before, after, model.name))
-        if not _keep(result, rec, outcome, progress):
-            return
+            where = _where(target, level, plan)
+            warm_sent = warm_ok = 0
+            if plan.limits.warmup_s > 0:
+                warm = await _phase(target, level, plan, plan.limits.warmup_s, stop, progress, f"{where} warm-up")
+                warm_sent, warm_ok = warm.sent, warm.ok
+                seen_ok += warm.ok
+                if stop.is_set():
+                    return
+            before = await asyncio.to_thread(server.settle, model.name, seen_ok)
+            rec = await _phase(target, level, plan, plan.limits.duration_s, stop, progress, where)
+            if rec.sent == 0 and stop.is_set():
+                return
+            seen_ok += rec.ok
+            result = replace(rec.result(target, level), warmup_sent=warm_sent, warmup_ok=warm_ok)
+            after = None
+            if before and not stop.is_set():
+                after = await asyncio.to_thread(server.settle, model.name, seen_ok)
+            if before and after:
+                result = replace(result, server=server.percentiles(before, after, model.name))
+            if not _keep(result, rec, outcome, progress, where):
+                targets.remove(target)
 
 
 async def run_session(plan: Plan, outcome: Outcome, stop: asyncio.Event, progress: Progress) -> None:

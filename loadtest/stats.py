@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from loadtest.workload import DEFAULT_PROTOCOL, PROTOCOLS
+
 PERCENTILES = (50, 90, 95, 99)
 # A model listing or report without a precision comes from before the service served quantized variants: fp32.
 DEFAULT_PRECISION = "fp32"
@@ -14,6 +16,11 @@ PRECISION_ORDER = ("fp32", "fp16", "int8")  # the source model first, then its n
 def precision_rank(precision: str) -> int:
     """Where a precision sorts among models of the same h: fp32, fp16, int8, then any other."""
     return PRECISION_ORDER.index(precision) if precision in PRECISION_ORDER else len(PRECISION_ORDER)
+
+
+def protocol_rank(protocol: str) -> int:
+    """Where a protocol sorts among the same model's levels: in the order `--protocol` documents, then any other."""
+    return PROTOCOLS.index(protocol) if protocol in PROTOCOLS else len(PROTOCOLS)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -57,11 +64,13 @@ class LevelResult:
     warmup_ok: int = 0
     server: dict[str, object] = field(default_factory=dict)  # server-side percentiles, or a note why not
     precision: str = DEFAULT_PRECISION  # fp32 | int8 | fp16 (last, with a default: older reports have none)
+    # simple | v2 | v2-binary | grpc; a report from before levels had one names it once (report.load_report)
+    protocol: str = DEFAULT_PROTOCOL
 
     @property
-    def group_key(self) -> tuple[int, int, str]:
-        """How results are grouped and sorted for comparison: by h, then by precision (fp32 first)."""
-        return self.heads, precision_rank(self.precision), self.precision
+    def group_key(self) -> tuple[int, int, str, int, str]:
+        """How results are grouped and sorted for comparison: by h, then by precision (fp32 first), then protocol."""
+        return self.heads, precision_rank(self.precision), self.precision, protocol_rank(self.protocol), self.protocol
 
     @property
     def level(self) -> str:

@@ -11,7 +11,10 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-PROTOCOLS = ("simple", "v2", "grpc")
+from loadtest import binary
+
+PROTOCOLS = ("simple", "v2", "v2-binary", "grpc")  # v2-binary: v2 with the binary tensor data extension
+DEFAULT_PROTOCOL = "simple"
 GRPC_INFER = "/inference.GRPCInferenceService/ModelInfer"  # the gRPC method a `grpc` request calls
 _WORDS = (
     "attention",
@@ -85,11 +88,13 @@ class SeqLenSpec:
 
 @dataclass(frozen=True)
 class RequestBody:
-    """One request, already serialized: its JSON bytes, how many sequences it carries and their token count."""
+    """One request, already serialized: its bytes, how many sequences it carries and their token count, and the
+    HTTP header fields it needs besides the JSON content type (v2-binary's header length)."""
 
     content: bytes
     sequences: int
     tokens: int
+    headers: tuple[tuple[str, str], ...] = ()
 
 
 def make_text(rng: random.Random, chars: int) -> str:
@@ -141,19 +146,46 @@ def make_texts(spec: SeqLenSpec, max_len: int, count: int, seed: int = 0) -> tup
     return [make_text(rng, rng.randint(low, high) - 1) for _ in range(count)], notes
 
 
+def parse_protocols(text: str) -> tuple[str, ...]:
+    """`--protocol`'s comma-separated list, in the order given."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in PROTOCOLS]
+    if unknown or not names:
+        what = f"unknown protocol(s) {', '.join(unknown)}" if unknown else "no protocol"
+        raise WorkloadError(f"--protocol {text!r}: {what}; give one or more of {', '.join(PROTOCOLS)}, comma-separated")
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise WorkloadError(f"--protocol {text!r} names {', '.join(twice)} more than once")
+    return tuple(names)
+
+
 def endpoint(protocol: str, model: str) -> str:
     """The path a request for `model` goes to under `protocol`."""
     if protocol == "simple":
         return f"/v1/models/{model}/predict"
-    if protocol == "v2":
+    if protocol in ("v2", "v2-binary"):
         return f"/v2/models/{model}/infer"
     if protocol == "grpc":
         return GRPC_INFER
     raise WorkloadError(f"--protocol {protocol!r} is not one of {', '.join(PROTOCOLS)}")
 
 
+# What a 200 answer must also be, by protocol (a protocol not here: any 200)
+ANSWER_CHECKS = {"v2-binary": binary.answer_problem}
+
+
+def request_body(protocol: str, texts: list[str], model: str = "") -> RequestBody:
+    """One request of `texts` under `protocol`, to `model` (gRPC names it in the message)."""
+    tokens = sum(len(t.encode("utf-8")) + 1 for t in texts)
+    if protocol == "v2-binary":
+        content, header_length = binary.encode_request(texts)
+        return RequestBody(content, len(texts), tokens, ((binary.HEADER_NAME, str(header_length)),))
+    return RequestBody(encode_body(protocol, texts, model), len(texts), tokens)
+
+
 def encode_body(protocol: str, texts: list[str], model: str = "") -> bytes:
-    """The request body for a batch of texts: JSON, or for `grpc` a serialized ModelInferRequest to `model`."""
+    """The request body for a batch of texts: JSON, for `grpc` a serialized ModelInferRequest to `model`, for
+    `v2-binary` a JSON header and binary data (`request_body` gives the header's length too)."""
     if protocol == "grpc":
         from contract.rpc import inference_pb2 as pb
 
@@ -161,6 +193,8 @@ def encode_body(protocol: str, texts: list[str], model: str = "") -> bytes:
         text = message.inputs.add(name="text", datatype="BYTES", shape=[len(texts)])
         text.contents.bytes_contents.extend(t.encode("utf-8") for t in texts)
         return message.SerializeToString()
+    if protocol == "v2-binary":
+        return binary.encode_request(texts)[0]
     if protocol == "simple":
         payload: dict = {"texts": texts}
     elif protocol == "v2":
@@ -171,15 +205,18 @@ def encode_body(protocol: str, texts: list[str], model: str = "") -> bytes:
 
 
 def build_bodies(
-    spec: SeqLenSpec, max_len: int, batch_size: int, protocol: str, pool: int = 64, seed: int = 0, model: str = ""
-) -> tuple[list[RequestBody], list[str]]:
-    """A pool of serialized request bodies (cycled through during a run) and the notes from fitting the texts."""
+    spec: SeqLenSpec,
+    max_len: int,
+    batch_size: int,
+    protocols: tuple[str, ...],
+    pool: int = 64,
+    seed: int = 0,
+    model: str = "",
+) -> tuple[dict[str, list[RequestBody]], list[str]]:
+    """A pool of serialized request bodies per protocol (cycled through during a run), the same texts in each, and
+    the notes from fitting the texts."""
     if batch_size < 1:
         raise WorkloadError(f"--batch-size must be >= 1, got {batch_size}")
     texts, notes = make_texts(spec, max_len, pool * batch_size, seed)
-    bodies = []
-    for i in range(pool):
-        batch = texts[i * batch_size : (i + 1) * batch_size]
-        tokens = sum(len(t.encode("utf-8")) + 1 for t in batch)
-        bodies.append(RequestBody(encode_body(protocol, batch, model), len(batch), tokens))
-    return bodies, notes
+    batches = [texts[i * batch_size : (i + 1) * batch_size] for i in range(pool)]
+    return {p: [request_body(p, batch, model) for batch in batches] for p in protocols}, notes

@@ -84,6 +84,13 @@ def test_selecting_an_unknown_model_names_the_ones_served():
         (["--duration", "0"], "--duration must be > 0"),
         (["--seq-len", "gauss:3"], "--seq-len 'gauss:3'"),
         (["--batch-size", "0"], "--batch-size must be >= 1"),
+        (["--protocol", "v2,json"], "--protocol 'v2,json': unknown protocol(s) json; give one or more of"),
+        (["--protocol", "grpc,grpc"], "--protocol 'grpc,grpc' names grpc more than once"),
+        (["--protocol", "v2", "--grpc-url", "127.0.0.1:8001"], "--grpc-url is for --protocol grpc"),
+        (
+            ["--protocol", "v2,grpc", "--grpc-url", "10.0.0.1:8001"],
+            "--grpc-url 'http://10.0.0.1:8001' is not a loopback",
+        ),
     ],
 )
 def test_bad_arguments_give_one_line_and_exit_2(args, message, capsys, tmp_path):

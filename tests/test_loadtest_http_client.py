@@ -21,6 +21,7 @@ class Server:
     def __init__(self) -> None:
         self.connections = 0
         self.requests: list[tuple[str, bytes]] = []
+        self.heads: list[list[str]] = []  # each request's header lines
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
@@ -28,6 +29,7 @@ class Server:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
                 lines = head.decode().split("\r\n")
+                self.heads.append(lines[1:])
                 path = lines[0].split(" ")[1]
                 length = next(int(h.split(":")[1]) for h in lines if h.lower().startswith("content-length"))
                 body = await reader.readexactly(length)
@@ -76,6 +78,22 @@ def test_keep_alive_reuses_one_connection_and_echoes_bodies():
             assert (response.status, response.body) == (200, b'{"i":%d}' % i)
         await pool.aclose()
         assert server.connections == 1 and [p for p, _ in server.requests] == ["/prefix/echo"] * 5
+
+    asyncio.run(serve(test))
+
+
+def test_extra_header_fields_are_sent_and_the_answers_fields_are_read_by_lower_case_name():
+    async def test(server, url):
+        pool = ConnectionPool(url, timeout_s=5)
+        response = await pool.post("/echo", b"abc", [("Inference-Header-Content-Length", "2")])
+        plain = await pool.post("/echo", b"abcd")
+        await pool.aclose()
+        assert (
+            "Inference-Header-Content-Length: 2" in server.heads[0]
+            and "Content-Type: application/json" in server.heads[0]
+        )
+        assert not any(line.startswith("Inference-Header") for line in server.heads[1])
+        assert (response.headers["content-length"], plain.headers["content-length"]) == ("3", "4")
 
     asyncio.run(serve(test))
 

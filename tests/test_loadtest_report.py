@@ -11,7 +11,7 @@ import pytest
 from loadtest.cli import main
 from loadtest.compare import compare, ratio
 from loadtest.compare import markdown as compare_markdown
-from loadtest.plots import precisions, series, write_plots
+from loadtest.plots import kinds, series, write_plots
 from loadtest.report import CSV_COLUMNS, ReportError, build_report, load_report, write_report
 from loadtest.stats import LevelResult
 
@@ -89,7 +89,7 @@ def test_compare_gives_b_over_a_ratios_for_matching_levels():
     b = [r for r in b if not (r.model == "mha-h4-d32" and r.level == "c=8")]
     rows, only = compare(a, b)
     assert len(rows) == len(a) - 1
-    assert only == ["only in A: mha-h4-d32 c=8"]
+    assert only == ["only in A: mha-h4-d32 simple c=8"]
     for row in rows:
         assert row.values["p50"][2] == pytest.approx(2.0)
         assert row.values["p99"][2] == pytest.approx(2.0)
@@ -103,7 +103,7 @@ def test_compare_cli_prints_and_writes_the_side_by_side_table(tmp_path, capsys):
         write_report(tmp_path / name, build_report({"status": "complete"}, results, []), results, [])
     assert main(["--compare", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "cmp")]) == 0
     printed = capsys.readouterr().out
-    assert "| mha-h2-d32 | 2 | fp32 | c=8 |" in printed and "0.50" in printed
+    assert "| mha-h2-d32 | 2 | fp32 | simple | c=8 |" in printed and "0.50" in printed
     data = json.loads((tmp_path / "cmp" / "compare.json").read_text())
     assert len(data["rows"]) == 6 and data["unmatched"] == []
     assert (tmp_path / "cmp" / "compare.md").read_text() == printed.rstrip("\n") + "\n"
@@ -137,17 +137,20 @@ def test_the_same_h_at_two_precisions_is_two_rows_and_two_series(tmp_path):
         ("mha-h2-d32-int8", "2", "int8"),
     ]
     md = (tmp_path / "report.md").read_text()
-    assert "| model | h | precision | head_dim | level |" in md
+    assert "| model | h | precision | head_dim | protocol | level |" in md
     assert md.count("| mha-h2-d32 | 2 | fp32 | 16 |") == 2 and md.count("| mha-h2-d32-int8 | 2 | int8 | 16 |") == 2
 
     assert list(series(results)) == ["h=2 fp32 (mha-h2-d32)", "h=2 int8 (mha-h2-d32-int8)"]
-    assert precisions(results) == ["fp32", "int8"]  # latency_vs_heads draws a line per percentile and precision
+    assert kinds(results) == [
+        ("fp32", "simple"),
+        ("int8", "simple"),
+    ]  # latency_vs_heads: a line per percentile and kind
     assert list(series(list(reversed(results)))) == ["h=2 fp32 (mha-h2-d32)", "h=2 int8 (mha-h2-d32-int8)"]
 
 
-def test_the_csv_gains_only_a_precision_column_after_the_head_configuration():
-    assert CSV_COLUMNS[:6] == ["model", "heads", "head_dim", "d_model", "precision", "mode"]
-    assert CSV_COLUMNS.count("precision") == 1 and len(CSV_COLUMNS) == len(set(CSV_COLUMNS))
+def test_the_csv_has_precision_after_the_head_configuration_then_protocol_before_the_load_mode():
+    assert CSV_COLUMNS[:7] == ["model", "heads", "head_dim", "d_model", "precision", "protocol", "mode"]
+    assert len(CSV_COLUMNS) == len(set(CSV_COLUMNS))
 
 
 def test_a_report_from_before_precision_was_recorded_reads_as_fp32(tmp_path):
@@ -172,4 +175,70 @@ def test_compare_matches_each_precision_separately_and_names_it():
     ]
     assert all(row.values["p50"][2] == pytest.approx(0.5) for row in rows)
     text = compare_markdown(rows, only, "a", "b")
-    assert "| model | h | precision | level |" in text and "| mha-h2-d32-int8 | 2 | int8 | c=8 |" in text
+    assert (
+        "| model | h | precision | protocol | level |" in text
+        and "| mha-h2-d32-int8 | 2 | int8 | simple | c=8 |" in text
+    )
+
+
+def protocol_trio(scale: float = 1.0) -> list[LevelResult]:
+    """One model at two levels under three protocols, in the order a run measures them (protocols take turns)."""
+    return [
+        level("mha-h2-d32", 2, "closed", c, p50=(k + 1) * c * scale, rps=100.0 * c / (k + 1), protocol=protocol)
+        for c in (1, 8)
+        for k, protocol in enumerate(("v2", "v2-binary", "grpc"))
+    ]
+
+
+def test_several_protocols_are_a_column_a_side_by_side_table_and_a_series_each(tmp_path):
+    results = protocol_trio()
+    write_report(tmp_path, build_report({"status": "complete"}, results, []), results, write_plots(results, tmp_path))
+
+    with (tmp_path / "report.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [(row["protocol"], row["level"], float(row["p50_ms"])) for row in rows] == [
+        (r.protocol, r.level, r.latency_ms["p50"]) for r in results
+    ]
+    md = (tmp_path / "report.md").read_text()
+    for r in results:
+        assert f"| mha-h2-d32 | 2 | fp32 | 16 | {r.protocol} | {r.level} | {r.ok} |" in md
+    side_by_side = md.split("## Per model and load level, protocols side by side")[1].split("##")[0]
+    assert "| model | level | v2 p50 ms | v2 p99 ms | v2 req/s | v2-binary p50 ms |" in side_by_side
+    by_level = {(r.level, r.protocol): r for r in results}
+    for lv in ("c=1", "c=8"):
+        cells = [by_level[(lv, p)] for p in ("v2", "v2-binary", "grpc")]
+        expected = [x for r in cells for x in (r.latency_ms["p50"], r.latency_ms["p99"], r.throughput_rps)]
+        assert f"| mha-h2-d32 | {lv} | " + " | ".join(f"{x:.2f}" if x < 100 else f"{x:.1f}" for x in expected) in md
+
+    assert list(series(results)) == [f"h=2 fp32 {p} (mha-h2-d32)" for p in ("v2", "v2-binary", "grpc")]
+    assert kinds(results) == [("fp32", "v2"), ("fp32", "v2-binary"), ("fp32", "grpc")]
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == sorted(write_plots(results, tmp_path))
+
+
+def test_one_protocol_has_no_side_by_side_table_and_keeps_its_series_names(tmp_path):
+    results = [r for r in protocol_trio() if r.protocol == "grpc"]
+    write_report(tmp_path, build_report({"status": "complete"}, results, []), results, [])
+    assert "protocols side by side" not in (tmp_path / "report.md").read_text()
+    assert list(series(results)) == ["h=2 fp32 (mha-h2-d32)"]
+
+
+def test_a_report_from_before_levels_had_a_protocol_reads_as_its_runs_protocol(tmp_path):
+    results = sample_results()
+    write_report(tmp_path, build_report({"status": "complete", "protocol": "v2"}, results, []), results, [])
+    report = json.loads((tmp_path / "report.json").read_text())
+    for entry in report["levels"]:
+        del entry["protocol"]
+    (tmp_path / "report.json").write_text(json.dumps(report))
+
+    _, loaded = load_report(tmp_path)
+    assert {r.protocol for r in loaded} == {"v2"}
+
+
+def test_compare_matches_each_protocol_separately():
+    a = protocol_trio(1.0)
+    b = [r for r in protocol_trio(2.0) if not (r.protocol == "grpc" and r.level == "c=8")]
+    rows, only = compare(a, b)
+    assert [(r.protocol, r.level) for r in rows] == [(r.protocol, r.level) for r in b]
+    assert all(row.values["p50"][2] == pytest.approx(2.0) for row in rows)
+    assert only == ["only in A: mha-h2-d32 grpc c=8"]
+    assert "| mha-h2-d32 | 2 | fp32 | v2-binary | c=1 |" in compare_markdown(rows, only, "a", "b")

@@ -1,4 +1,5 @@
-"""The load tester against the real service (two tiny models on the session's Ray Serve), run as a user runs it.
+"""The load tester against the real service (two tiny models on the session's Ray Serve, gRPC in the ingress replica
+on a port of its own), run as a user runs it.
 
 Its application is its own (`/loadtest`), so the service's counters for it hold only the load tester's requests.
 """
@@ -19,6 +20,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from service.local.ports import free_port
+
 pytestmark = [pytest.mark.serve, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[1]
 APP = "loadtest"
@@ -27,11 +30,11 @@ MODELS = ("mha-h2-d32", "mha-h4-d32")
 
 @pytest.fixture(scope="module")
 def app(serve_port, tiny_models_dir):
-    """The real application on the two tiny models under /loadtest, in the session's Ray; deleted afterwards."""
+    """The real application on the two tiny models under /loadtest with gRPC, in the session's Ray; deleted after."""
     from ray import serve
     from serving import deploy
 
-    served = deploy(serve_port, APP, tiny_models_dir)
+    served = deploy(serve_port, APP, tiny_models_dir, ingress={"grpc_port": free_port()})
     yield served
     serve.delete(APP)
 
@@ -49,22 +52,25 @@ def loadtest(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
-def served_requests(metrics_url: str) -> Counter:
-    """The service's own count of answered predict requests per model of our application (not the load tester's)."""
+def served_requests(metrics_url: str, endpoint: str = "v1_predict") -> Counter:
+    """The service's own count of answered requests to `endpoint` per model of our application (not the load
+    tester's)."""
     counts: Counter = Counter()
     for line in httpx.get(metrics_url, timeout=10).text.splitlines():
         if line.startswith("ray_mha_requests_total{"):
             labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
-            if labels.get("application") == APP and labels.get("endpoint") == "v1_predict" and labels["code"] == "200":
+            if labels.get("application") == APP and labels.get("endpoint") == endpoint and labels["code"] == "200":
                 counts[labels["model"]] += float(line.rsplit(" ", 1)[1])
     return counts
 
 
-def wait_for_counts(metrics_url: str, expected: dict[str, int], timeout_s: float = 40) -> Counter:
+def wait_for_counts(
+    metrics_url: str, expected: dict[str, int], timeout_s: float = 40, endpoint: str = "v1_predict"
+) -> Counter:
     """Ray exports metrics every few seconds: wait until every expected count is reached (or the timeout)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        counts = served_requests(metrics_url)
+        counts = served_requests(metrics_url, endpoint)
         if all(counts[m] >= n for m, n in expected.items()) or time.monotonic() > deadline:
             return counts
         time.sleep(0.5)
@@ -106,6 +112,50 @@ def test_report_numbers_match_what_the_service_counted(app, metrics_url, tmp_pat
         "latency_vs_heads.png",
         "throughput_vs_concurrency.png",
     ]
+
+
+PROTOCOLS = ("v2", "v2-binary", "grpc")
+ENDPOINTS = {"v2": "v2_infer", "v2-binary": "v2_infer", "grpc": "grpc_infer"}  # the service's label for each
+
+
+def test_one_run_compares_http_json_http_binary_and_grpc_and_its_csv_agrees_with_its_json(app, metrics_url, tmp_path):
+    model = MODELS[0]
+    before = {e: wait_for_counts(metrics_url, {}, endpoint=e)[model] for e in set(ENDPOINTS.values())}
+    run = loadtest(
+        *("--url", app.base_url, "--models", model, "--protocol", ",".join(PROTOCOLS), "--grpc-url", app.grpc_url),
+        *("--concurrency", "1,4", "--rate", "", "--duration", "1", "--warmup", "0.2", "--out", str(tmp_path)),
+    )
+    assert run.returncode == 0, run.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["status"] == "complete" and report["protocol"] == ",".join(PROTOCOLS)
+    levels = report["levels"]
+    assert [(r["model"], r["level"], r["protocol"]) for r in levels] == [
+        (model, lv, p) for lv in ("c=1", "c=4") for p in PROTOCOLS
+    ]  # the protocols take turns at each level
+    for r in levels:  # v2-binary's 200s are counted ok only when their binary logits are well formed
+        assert r["ok"] > 0 and r["errors"] == {} and r["ok"] == r["sent"], r
+    with (tmp_path / "report.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [
+        (row["protocol"], row["level"], int(row["ok"]), float(row["p50_ms"]), float(row["throughput_rps"]))
+        for row in rows
+    ] == [(r["protocol"], r["level"], r["ok"], r["latency_ms"]["p50"], r["throughput_rps"]) for r in levels]
+    assert "## Per model and load level, protocols side by side" in (tmp_path / "report.md").read_text()
+    # an independent count: the service's own, per endpoint (gRPC's calls came over gRPC), warm-ups included
+    for endpoint in set(ENDPOINTS.values()):
+        sent = sum(r["ok"] + r["warmup_ok"] for r in levels if ENDPOINTS[r["protocol"]] == endpoint)
+        after = wait_for_counts(metrics_url, {model: before[endpoint] + sent}, endpoint=endpoint)
+        assert after[model] - before[endpoint] == sent, endpoint
+
+
+def test_grpc_without_a_grpc_service_at_its_address_exits_2_in_one_line(app, tmp_path):
+    address = f"127.0.0.1:{free_port()}"
+    run = loadtest("--url", app.base_url, "--protocol", "v2,grpc", "--grpc-url", address, "--out", str(tmp_path))
+    assert run.returncode == 2
+    err = run.stderr.strip()
+    assert "\n" not in err and err.startswith(f"mha-serving loadtest: no gRPC service at {address} for --protocol grpc")
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["status"] == "failed" and report["levels"] == [] and "nothing measured" in report["message"]
 
 
 def test_request_count_bound_stops_a_level_before_its_duration(app, tmp_path):
