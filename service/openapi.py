@@ -9,6 +9,10 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from service.attention_api import AttentionRequest
+from service.protocol import binary, simple, v2
+from service.validation import Bounds, Schema
+
 REF = "#/components/schemas/{model}"
 ERRORS = {
     400: "The request breaks the API or the model's limits (max_len, vocabulary, rows); the error names what.",
@@ -26,6 +30,8 @@ HEADERS = {
     503: {"Retry-After": {"description": "Seconds to wait before retrying.", "schema": {"type": "string"}}},
 }
 
+BINARY_BODY = {"type": "string", "contentMediaType": "application/octet-stream"}  # OpenAPI 3.1's raw bytes
+
 
 class ErrorBody(BaseModel):
     """Every error: what went wrong, in one line (503 answers from readiness routes add their fields)."""
@@ -33,9 +39,14 @@ class ErrorBody(BaseModel):
     error: str
 
 
-def responses(ok: type[BaseModel], *errors: int) -> dict[int | str, dict[str, Any]]:
-    """FastAPI's `responses` for a route: 200 with `ok`, its own `errors` and those any request can get."""
+def responses(ok: type[BaseModel], *errors: int, binary_answer: bool = False) -> dict[int | str, dict[str, Any]]:
+    """FastAPI's `responses` for a route: 200 with `ok` (or, `binary_answer`, as binary tensor data), its own
+    `errors` and those any request can get."""
     out: dict[int | str, dict[str, Any]] = {200: {"model": ok, "description": ok.__doc__ or "OK"}}
+    if binary_answer:
+        length = {"description": "Binary answers only: the length of the JSON header.", "schema": {"type": "string"}}
+        out[200]["content"] = {"application/octet-stream": {"schema": BINARY_BODY}}
+        out[200]["headers"] = {binary.HEADER_NAME: length}
     for status in sorted({*errors, *ANY_REQUEST}):
         out[status] = {"model": ErrorBody, "description": ERRORS[status]}
         if status in HEADERS:
@@ -49,18 +60,46 @@ def request_body(model: type[BaseModel]) -> dict[str, Any]:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
-def completed(document: dict[str, Any], bodies: list[type[BaseModel]], values: dict[str, list[str]]) -> dict:
-    """FastAPI's document with the request bodies' schemas added, 422 taken out, and the path parameters' values
-    this server has (`values`: parameter name -> the model names, the versions) listed."""
-    _, defs = models_json_schema([(m, "validation") for m in bodies], ref_template=REF)
+def binary_request() -> dict[str, Any]:
+    """`openapi_extra` of v2 infer: the JSON body, or the binary tensor data extension's (a JSON header of
+    `Inference-Header-Content-Length` bytes, InferRequestHeader, then the inputs' raw bytes)."""
+    header = {
+        "name": binary.HEADER_NAME,
+        "in": "header",
+        "required": False,
+        "description": "Binary tensor data only: the length in bytes of the body's JSON header (InferRequestHeader).",
+        "schema": {"type": "string", "pattern": "^[0-9]+$"},
+    }
+    extra = request_body(v2.InferRequest)
+    raw = BINARY_BODY | {"description": "The JSON header (InferRequestHeader), then each binary input's bytes."}
+    extra["requestBody"]["content"]["application/octet-stream"] = {"schema": raw}
+    return extra | {"description": binary.DESCRIPTION, "parameters": [header]}
+
+
+def request_schemas(bounds: Bounds) -> dict[str, Schema]:
+    """Every request body's schema (and its parts), within the served models' `bounds`."""
+    _, defs = models_json_schema([(AttentionRequest, "validation")], ref_template=REF)
+    attention = defs["$defs"]["AttentionRequest"]
+    text = bounds.text_schema() if bounds.text else False  # a model that takes token ids only refuses every text
+    attention["properties"] |= {"text": text, "layer": {"anyOf": [bounds.layer(), {"type": "null"}]}}
+    v2_schemas = v2.request_schemas(bounds, REF)
+    return {**v2_schemas, "PredictRequest": simple.request_schema(bounds), "AttentionRequest": attention}
+
+
+def completed(document: dict[str, Any], bodies: dict[str, Schema], values: dict[str, list[str]]) -> dict:
+    """FastAPI's document with the request bodies' schemas (`bodies`, by component name) added, 422 taken out, and
+    the path parameters' values this server has (`values`: parameter name -> the model names, the versions)
+    listed."""
     schemas = document.setdefault("components", {}).setdefault("schemas", {})
-    schemas.update(defs.get("$defs", {}))
+    schemas.update(bodies)
     for name in ("HTTPValidationError", "ValidationError"):
         schemas.pop(name, None)
     for operations in document.get("paths", {}).values():
         for operation in operations.values():
             operation.get("responses", {}).pop("422", None)
             for param in operation.get("parameters", []):
+                if param["in"] != "path":
+                    continue
                 param["schema"] = {"type": "string", "title": param["name"].capitalize()}  # never null in a path
                 if values.get(param["name"]):
                     param["schema"]["enum"] = values[param["name"]]

@@ -1,11 +1,13 @@
 """Request rows checked against a model's metadata and the request limits, as (B, T) int64 ids and mask.
 
-Every problem is a BadRequestError that names it (shape, id range, length, rows). Shared by both protocols. No torch.
+Every problem is a BadRequestError that names it (shape, id range, length, rows); the same limits as JSON Schema for
+the OpenAPI document (Bounds). Shared by both protocols. No torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -14,6 +16,8 @@ from contract.tokenizer import ByteTokenizer, SequenceTooLongError
 from service.errors import BadRequestError
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+Schema = dict[str, Any]
+MASK_VALUE = {"enum": [0, 1]}  # an attention_mask element: 0 padding, 1 token
 
 
 @dataclass(frozen=True)
@@ -22,6 +26,66 @@ class Rows:
 
     ids: np.ndarray
     mask: np.ndarray
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The limits these checks enforce, as JSON Schema states them for the OpenAPI document. A request body's schema
+    cannot depend on the path's model name, so with several models served the bounds are the tightest among them:
+    every body valid by the document is accepted by each model, and a model with larger limits accepts more."""
+
+    max_rows: int
+    max_len: int | None = None  # None: no served model's metadata known yet (none loaded): left unstated
+    vocab_size: int | None = None
+    layers: int | None = None
+    text: bool = True  # every served model tokenizes text
+
+    @classmethod
+    def of(cls, max_rows: int, models: list[ModelMetadata]) -> Bounds:
+        if not models:
+            return cls(max_rows)
+        return cls(
+            max_rows,
+            max_len=min(m.max_len for m in models),
+            vocab_size=min(m.vocab_size for m in models),
+            layers=min(m.layers for m in models),
+            text=all(m.tokenizer == "byte-v1" for m in models),
+        )
+
+    def rows(self, item: Schema) -> Schema:
+        """A request's sequences (or texts): 1 to max_rows of `item`."""
+        return {"type": "array", "minItems": 1, "maxItems": self.max_rows, "items": item}
+
+    def row(self, token: Schema) -> Schema:
+        """One sequence: 1 to max_len tokens."""
+        return {"type": "array", "minItems": 1, "items": token} | _at_most("maxItems", self.max_len)
+
+    def flat(self, value: Schema) -> Schema:
+        """A [B, T] matrix's values, flat row-major: 1 to max_rows x max_len of `value`."""
+        most = self.max_len and self.max_rows * self.max_len
+        return {"type": "array", "minItems": 1, "items": value} | _at_most("maxItems", most)
+
+    def shape(self, matrix: bool) -> Schema:
+        """A v2 tensor's shape: [B] (texts) or [B, T] (a matrix), each dimension at least 1."""
+        dims = [{"type": "integer", "minimum": 1, "maximum": self.max_rows}]
+        if matrix:
+            dims.append({"type": "integer", "minimum": 1} | _at_most("maximum", self.max_len))
+        return {"type": "array", "prefixItems": dims, "minItems": len(dims), "maxItems": len(dims)}
+
+    def token_id(self) -> Schema:
+        return {"type": "integer", "minimum": 0} | _at_most("maximum", self.vocab_size and self.vocab_size - 1)
+
+    def text_schema(self) -> Schema:
+        """A text: 1 BOS and one token per UTF-8 byte within max_len. JSON Schema's maxLength counts characters, so
+        a text of max_len - 1 characters or fewer may still be refused for its bytes (the one limit stated loosely)."""
+        return {"type": "string"} | _at_most("maxLength", self.max_len and self.max_len - 1)
+
+    def layer(self) -> Schema:
+        return {"type": "integer", "minimum": 0} | _at_most("maximum", self.layers and self.layers - 1)
+
+
+def _at_most(keyword: str, bound: int | None) -> Schema:
+    return {} if bound is None else {keyword: bound}
 
 
 def int_matrix(name: str, data: object, shape: list[int] | None = None) -> np.ndarray:

@@ -1,6 +1,7 @@
 """The OpenAPI document (built in-process, as the ingress serves it): every $ref resolves, every status the service
-answers is documented with the one error body, answers have schemas, no 422, and "exactly one of text, texts,
-input_ids" is part of the predict body's schema. Schemathesis runs over the served document in test_reliability.py."""
+answers is documented with the one error body, answers have schemas, no 422; the request bodies' schemas state the
+served models' limits (tightest across models) and what the service refuses; the binary tensor data extension is
+described. Schemathesis runs over the served document in test_reliability.py."""
 
 from __future__ import annotations
 
@@ -9,17 +10,33 @@ from types import SimpleNamespace
 import jsonschema
 import pytest
 
+from contract.metadata import ModelMetadata
 from service.config import RequestLimits
 from service.http.api import create_app
+from service.http.api import document as build_document
+from service.protocol import binary
+from service.validation import Bounds
 
 ERROR = {"$ref": "#/components/schemas/ErrorBody"}
+LIMITS = RequestLimits(max_rows=3)
+# Two models with different limits: the document states the tighter of each (SMALL's max_len, WIDE's vocabulary)
+SMALL = ModelMetadata("mha-h2-d32", 2, 16, 32, layers=3, vocab_size=300, max_len=6, num_classes=2, labels=("a", "b"))
+WIDE = ModelMetadata("mha-h4-d32", 4, 8, 32, layers=2, vocab_size=100, max_len=64, num_classes=2, labels=("a", "b"))
+TIGHTEST = {"max_len": SMALL.max_len, "vocab_size": WIDE.vocab_size, "layers": WIDE.layers}
 
 
 @pytest.fixture(scope="module")
 def document() -> dict:
-    """The document of the one application; only its routes and served model names shape it."""
-    ingress = SimpleNamespace(limits=RequestLimits(), model_names=["mha-h2-d32"])
-    return create_app(ingress).openapi()
+    """The document of the one application over SMALL and WIDE: its routes, model names and the models' limits."""
+    names = [SMALL.name, WIDE.name]
+    app = create_app(SimpleNamespace(limits=LIMITS, model_names=names))
+    return build_document(app, names, Bounds.of(LIMITS.max_rows, [SMALL, WIDE]))
+
+
+def valid(document: dict, component: str, body) -> bool:
+    """Whether `body` is valid by the document's component schema (its $refs resolved within the document)."""
+    schema = {**document["components"]["schemas"][component], "components": document["components"]}
+    return jsonschema.Draft202012Validator(schema).is_valid(body)
 
 
 def operations(document: dict):
@@ -41,7 +58,7 @@ def refs(node):
 
 def test_every_ref_resolves(document):
     found = set(refs(document))
-    assert "#/components/schemas/RequestInput" in found and "#/components/schemas/PredictRequest" in found
+    assert "#/components/schemas/IdsInput" in found and "#/components/schemas/PredictRequest" in found
     for ref in found:
         node = document
         for part in ref.removeprefix("#/").split("/"):
@@ -71,7 +88,7 @@ def test_answers_have_schemas_with_their_fields(document):
 
 
 @pytest.mark.parametrize(
-    "body,valid",
+    "body,expected",
     [
         ({"text": "a"}, True),
         ({"texts": ["a", "b"]}, True),
@@ -84,17 +101,137 @@ def test_answers_have_schemas_with_their_fields(document):
         ({"input_ids": [[True]]}, False),
         ({"texts": []}, False),
         ({"txt": "a"}, False),
+        ({"input_ids": [[1]], "texts": [None]}, False),  # another key, given: not only the one
     ],
 )
-def test_the_predict_body_schema_says_exactly_one_of_text_texts_input_ids(document, body, valid):
-    schema = document["components"]["schemas"]["PredictRequest"]
-    errors = list(jsonschema.Draft202012Validator(schema).iter_errors(body))
-    assert (not errors) is valid, [e.message for e in errors]
+def test_the_predict_body_schema_says_exactly_one_of_text_texts_input_ids(document, body, expected):
+    assert valid(document, "PredictRequest", body) is expected
 
 
 def test_path_parameters_list_this_servers_values_when_known(document):
     for name, operation in operations(document):
         for param in operation.get("parameters", []):
-            assert param["in"] == "path" and param["schema"]["type"] == "string", (name, param)
+            if param["in"] != "path":
+                continue
+            assert param["schema"]["type"] == "string", (name, param)
+            if param["name"] == "name":
+                assert param["schema"]["enum"] == [SMALL.name, WIDE.name]
             if param["name"] == "version":
                 assert param["schema"]["enum"] == ["1"]
+
+
+def text_input(**fields) -> dict:
+    return {"inputs": [{"name": "text", "datatype": "BYTES", **fields}]}
+
+
+def ids_input(ids: list[list[int]], mask: list[list[int]] | None = None) -> dict:
+    """A v2 body of [B, T] ids (and mask), flat row-major."""
+    tensors = [("input_ids", ids)] + ([("attention_mask", mask)] if mask is not None else [])
+    flat = {name: [v for row in m for v in row] for name, m in tensors}  # (B, T) -> B * T, row-major
+    shaped = [{"name": n, "datatype": "INT64", "shape": [len(m), len(m[0])], "data": flat[n]} for n, m in tensors]
+    return {"inputs": shaped}
+
+
+@pytest.mark.parametrize(
+    "body,expected",
+    [
+        (text_input(shape=[]), False),  # the known hole: no data (and no shape) is not a request
+        (text_input(shape=[1]), False),
+        (text_input(shape=[1], data=["a"]), True),
+        (text_input(shape=[1], data="a"), True),  # one string for one text, as the service takes it
+        (text_input(shape=[1], data=["a"], parameters={"binary_data_size": 5}), False),  # no binary part in JSON
+        (ids_input([[5, 6]], [[1, 0]]), True),
+        (ids_input([[5, 6]], [[1, 1, 1]]), True),  # a mask's length against its ids': left to the service's 400
+        ({"inputs": [{"name": "input_ids", "datatype": "INT64", "shape": [1, 1], "data": [[]]}]}, False),
+        ({"inputs": [{"name": "attention_mask", "datatype": "INT64", "shape": [1, 1], "data": [1]}]}, False),
+        ({"inputs": ids_input([[5]])["inputs"] * 2}, False),  # repeated
+        (ids_input([[5]]) | {"outputs": [{"name": "logits", "parameters": {"binary_data": True}}]}, True),
+        (ids_input([[5]]) | {"outputs": [{"name": "probabilities"}]}, False),
+        (ids_input([[5]]) | {"parameters": {"binary_data_output": "yes"}}, False),
+    ],
+)
+def test_the_infer_body_schema_says_what_the_service_takes(document, body, expected):
+    assert valid(document, "InferRequest", body) is expected
+
+
+@pytest.mark.parametrize(
+    "body,expected",
+    [
+        ({"input_ids": [[5, 6]], "attention_mask": [[]]}, False),  # the known hole: an empty mask row
+        ({"input_ids": [[5, 6]], "attention_mask": [[0, 0]]}, False),  # a row without a token
+        ({"input_ids": [[5, 6]], "attention_mask": [[1, 0]]}, True),
+        ({"input_ids": [[5, 6], [7]]}, True),  # rows of different lengths, padded by the service
+        ({"input_ids": [[]]}, False),
+    ],
+)
+def test_the_predict_body_schema_refuses_empty_and_tokenless_mask_rows(document, body, expected):
+    assert valid(document, "PredictRequest", body) is expected
+
+
+def test_the_bodies_state_the_tightest_limits_of_the_served_models(document):
+    rows, length, vocab = LIMITS.max_rows, TIGHTEST["max_len"], TIGHTEST["vocab_size"]
+    edge = [[vocab - 1] * length] * rows
+    assert valid(document, "InferRequest", ids_input(edge)) and valid(document, "PredictRequest", {"input_ids": edge})
+    for past in ([[vocab] * length], [[vocab - 1] * (length + 1)], [[1]] * (rows + 1)):
+        assert not valid(document, "InferRequest", ids_input(past)), past
+        assert not valid(document, "PredictRequest", {"input_ids": past}), past
+    text = "a" * (length - 1)  # and a BOS
+    assert valid(document, "PredictRequest", {"text": text}) and not valid(
+        document, "PredictRequest", {"text": text + "a"}
+    )
+    assert valid(document, "InferRequest", text_input(shape=[1], data=[text]))
+    assert not valid(document, "InferRequest", text_input(shape=[1], data=[text + "a"]))
+    layers = TIGHTEST["layers"]
+    assert valid(document, "AttentionRequest", {"text": "a", "layer": layers - 1})
+    assert not valid(document, "AttentionRequest", {"text": "a", "layer": layers})
+
+
+def test_a_model_that_takes_no_text_leaves_text_out_of_every_body():
+    ids_only = ModelMetadata("ids-model", 2, 16, 32, 1, 260, 8, 2, ("a", "b"), tokenizer="ids")
+    app = create_app(SimpleNamespace(limits=LIMITS, model_names=[ids_only.name]))
+    doc = build_document(app, [ids_only.name], Bounds.of(LIMITS.max_rows, [ids_only]))
+    assert not valid(doc, "InferRequest", text_input(shape=[1], data=["a"])) and "TextInput" not in doc["components"]
+    assert not valid(doc, "PredictRequest", {"text": "a"}) and not valid(doc, "PredictRequest", {"texts": ["a"]})
+    assert valid(doc, "PredictRequest", {"input_ids": [[5]]}) and not valid(doc, "AttentionRequest", {"text": "a"})
+
+
+def test_the_binary_tensor_data_extension_is_described_on_v2_infer(document):
+    for path in ("/v2/models/{name}/infer", "/v2/models/{name}/versions/{version}/infer"):
+        operation = document["paths"][path]["post"]
+        (header,) = [p for p in operation["parameters"] if p["in"] == "header"]
+        assert header["name"] == binary.HEADER_NAME and header["required"] is False
+        assert set(operation["requestBody"]["content"]) == {"application/json", "application/octet-stream"}
+        answer = operation["responses"]["200"]
+        assert set(answer["content"]) == {"application/json", "application/octet-stream"}
+        assert binary.HEADER_NAME in answer["headers"]
+    # the binary request's JSON header: each input gives its data or says binary_data_size, never neither or both
+    sized = {"name": "text", "datatype": "BYTES", "shape": [1], "parameters": {"binary_data_size": 5}}
+    assert valid(document, "InferRequestHeader", {"inputs": [sized]})
+    assert not valid(document, "InferRequestHeader", {"inputs": [sized | {"data": ["a"]}]})
+    assert not valid(document, "InferRequestHeader", text_input(shape=[1]))
+    assert valid(document, "InferRequestHeader", text_input(shape=[1], data=["a"]))
+
+
+@pytest.mark.serve
+def test_the_served_document_and_the_service_agree_at_the_models_limits(service):
+    """Through the real app: a body at the served models' max_len and last token id is valid by the document and
+    answered 200, one past either is invalid and answered 400; the two known holes are invalid and answered 400."""
+    name = "mha-h2-d32"
+    with service.client() as c:
+        doc = c.get("/openapi.json").json()
+        models = c.get("/v1/models").json()["models"]
+        length, vocab = min(m["max_len"] for m in models), min(m["vocab_size"] for m in models)
+        bodies = [
+            ("InferRequest", ids_input([[vocab - 1] * length]), 200),
+            ("InferRequest", ids_input([[vocab] * length]), 400),
+            ("InferRequest", ids_input([[1] * (length + 1)]), 400),
+            ("InferRequest", text_input(shape=[]), 400),
+            ("PredictRequest", {"input_ids": [[vocab - 1] * length]}, 200),
+            ("PredictRequest", {"input_ids": [[1] * (length + 1)]}, 400),
+            ("PredictRequest", {"input_ids": [[5, 6]], "attention_mask": [[]]}, 400),
+        ]
+        for component, body, status in bodies:
+            path = f"/v2/models/{name}/infer" if component == "InferRequest" else f"/v1/models/{name}/predict"
+            answer = c.post(path, json=body)
+            assert answer.status_code == status and valid(doc, component, body) is (status == 200), (body, answer.text)
+            assert status == 200 or answer.json()["error"], body  # every 400 names the problem

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
@@ -19,13 +20,13 @@ from starlette.exceptions import HTTPException
 from service import attention_api, openapi
 from service.errors import ServiceError
 from service.http.limits import RequestLimitsMiddleware
-from service.protocol import binary, simple, v2
+from service.protocol import simple, v2
 from service.responses import error_response, json_response
+from service.validation import Bounds
 
 if TYPE_CHECKING:
     from service.ingress import Ingress
 
-REQUEST_BODIES = [v2.InferRequest, simple.PredictRequest, attention_api.AttentionRequest]
 # FastAPI's own OpenTelemetry instrumentation asks the global providers on every request whether it is configured;
 # the service's metrics go through Ray's Prometheus export instead.
 NO_TELEMETRY = {"tracing": False, "metrics": False, "logs": False}
@@ -33,13 +34,16 @@ NO_TELEMETRY = {"tracing": False, "metrics": False, "logs": False}
 
 def create_app(ingress: Ingress) -> FastAPI:
     description = "Multi-head attention classifiers on ONNX Runtime."
-    app = FastAPI(title="mha-serving", description=description, telemetry=NO_TELEMETRY)
+    # The document and its pages are routes of ours: the document states the served models' limits, known once
+    # they load (an await), which FastAPI's own synchronous `openapi()` cannot wait for.
+    pages = {"openapi_url": None, "docs_url": None, "redoc_url": None}
+    app = FastAPI(title="mha-serving", description=description, telemetry=NO_TELEMETRY, **pages)
     app.add_middleware(RequestLimitsMiddleware, limits=ingress.limits)
     _map_errors(app)
     _inference_routes(app, ingress)  # first: the router tries routes in order
     _v2_routes(app, ingress)
     _v1_routes(app, ingress)
-    app.openapi = lambda: _openapi(app, ingress.model_names)  # FastAPI's documented way to extend the document
+    _document_routes(app, ingress)
     return app
 
 
@@ -126,19 +130,22 @@ def _versioned(name: str, version: str) -> None: ...
 
 
 def _inference_docs() -> list[APIRoute]:
-    """INFERENCE_ROUTES as FastAPI documents routes: path parameters, request body, answer and errors."""
-    return [
-        APIRoute(
-            route.path,
-            _versioned if "{version}" in route.path else _named,
-            methods=["POST"],
-            name=route.name,
-            openapi_extra=openapi.request_body(route.body)
-            | ({"description": binary.DESCRIPTION} if route.body is v2.InferRequest else {}),
-            responses=openapi.responses(route.answer, 404, 503, *openapi.WITH_BODY),
+    """INFERENCE_ROUTES as FastAPI documents routes: path parameters, request body, answer and errors (v2 infer's
+    with the binary tensor data extension)."""
+    docs = []
+    for route in INFERENCE_ROUTES:
+        binary = route.body is v2.InferRequest
+        docs.append(
+            APIRoute(
+                route.path,
+                _versioned if "{version}" in route.path else _named,
+                methods=["POST"],
+                name=route.name,
+                openapi_extra=openapi.binary_request() if binary else openapi.request_body(route.body),
+                responses=openapi.responses(route.answer, 404, 503, *openapi.WITH_BODY, binary_answer=binary),
+            )
         )
-        for route in INFERENCE_ROUTES
-    ]
+    return docs
 
 
 def _v2_routes(app: FastAPI, ingress: Ingress) -> None:
@@ -190,11 +197,39 @@ def _v1_routes(app: FastAPI, ingress: Ingress) -> None:
         return await ingress.attention(request, name)
 
 
-def _openapi(app: FastAPI, model_names: list[str]) -> dict[str, Any]:
-    """FastAPI's document, completed (service/openapi.py) with the request bodies and the served model names."""
+def _document_routes(app: FastAPI, ingress: Ingress) -> None:
+    """The OpenAPI document, Swagger UI and ReDoc, where FastAPI serves them."""
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi_json() -> Response:
+        return json_response(await served_document(app, ingress))
+
+    @app.get("/docs", include_in_schema=False)
+    async def swagger() -> Response:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{app.title} - Swagger UI")
+
+    @app.get("/redoc", include_in_schema=False)
+    async def redoc() -> Response:
+        return get_redoc_html(openapi_url="/openapi.json", title=f"{app.title} - ReDoc")
+
+
+async def served_document(app: FastAPI, ingress: Ingress) -> dict[str, Any]:
+    """The document within the served models' limits; kept once every model has loaded (metadata never changes),
+    built afresh until then from those that have."""
     if app.openapi_schema is None:
-        routes = [*_inference_docs(), *app.routes]
-        document = get_openapi(title=app.title, version=app.version, description=app.description, routes=routes)
-        values = {"name": model_names, "version": [v2.MODEL_VERSION]}
-        app.openapi_schema = openapi.completed(document, REQUEST_BODIES, values)
+        statuses = [await ingress.model_status(name) for name in ingress.model_names]
+        loaded = [s.metadata for s in statuses if s.ready and s.metadata is not None]
+        built = document(app, ingress.model_names, Bounds.of(ingress.limits.max_rows, loaded))
+        if len(loaded) < len(statuses):
+            return built
+        app.openapi_schema = built
     return app.openapi_schema
+
+
+def document(app: FastAPI, model_names: list[str], bounds: Bounds) -> dict[str, Any]:
+    """FastAPI's document of the routes, completed (service/openapi.py) with the request bodies within `bounds`
+    and the served model names."""
+    routes = [*_inference_docs(), *app.routes]
+    built = get_openapi(title=app.title, version=app.version, description=app.description, routes=routes)
+    values = {"name": model_names, "version": [v2.MODEL_VERSION]}
+    return openapi.completed(built, openapi.request_schemas(bounds), values)

@@ -8,34 +8,43 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
 from contract.metadata import ModelMetadata
 from service.errors import BadRequestError
-from service.validation import Rows, check_rows, int_matrix, ragged_to_rows, texts_to_rows
+from service.validation import MASK_VALUE, Bounds, Rows, Schema, check_rows, int_matrix, ragged_to_rows, texts_to_rows
 
-
-def _one_of(key: str, schema: dict[str, Any]) -> dict[str, Any]:
-    """The JSON Schema branch "`key` given (not null); `attention_mask` only with `input_ids`"."""
-    properties = {key: schema} if key == "input_ids" else {key: schema, "attention_mask": {"type": "null"}}
-    return {"required": [key], "properties": properties}
-
-
-ROW = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}  # token ids, one sequence
-IDS = {"type": "array", "minItems": 1, "items": ROW}
-EXACTLY_ONE = [_one_of("text", {"type": "string"}), _one_of("texts", {"type": "array"}), _one_of("input_ids", IDS)]
+NULL = {"type": "null"}
 
 
 class PredictRequest(BaseModel):
     """Exactly one of `text`, `texts` or `input_ids` (with an optional `attention_mask` of the same shape)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"oneOf": EXACTLY_ONE})
+    model_config = ConfigDict(extra="forbid", strict=True)
     text: str | None = None
-    texts: list[str] | None = Field(None, json_schema_extra={"minItems": 1})
+    texts: list[str] | None = None
     input_ids: list[list[int]] | None = None
-    attention_mask: list[list[int]] | None = Field(
-        None, json_schema_extra={"items": {"type": "array", "items": {"enum": [0, 1]}}}
-    )
+    attention_mask: list[list[int]] | None = None
+
+
+def request_schema(bounds: Bounds) -> Schema:
+    """PredictRequest's JSON Schema within `bounds`: exactly one of `text`, `texts`, `input_ids` (null counts as not
+    sent); `attention_mask` only with `input_ids`, each row with a token. What JSON Schema cannot state is left to the
+    service's 400s: the mask has the shape of `input_ids`, a text's UTF-8 bytes fit max_len."""
+    text = bounds.text_schema()
+    given = {"text": text, "texts": bounds.rows(text), "input_ids": bounds.rows(bounds.row(bounds.token_id()))}
+    if not bounds.text:
+        del given["text"], given["texts"]
+    mask_row = bounds.row(MASK_VALUE) | {"contains": {"const": 1}}
+    properties = {key: {"type": [kind, "null"]} for key, kind in (("text", "string"), ("texts", "array"))}
+    properties |= {"input_ids": {"type": ["array", "null"]}, "attention_mask": {"anyOf": [bounds.rows(mask_row), NULL]}}
+    one_of = []
+    for key, schema in given.items():
+        others = {other: NULL for other in ("text", "texts", "input_ids", "attention_mask") if other != key}
+        if key == "input_ids":
+            del others["attention_mask"]
+        one_of.append({"required": [key], "properties": others | {key: schema}})
+    return {"type": "object", "additionalProperties": False, "properties": properties, "oneOf": one_of}
 
 
 class HeadConfig(BaseModel):

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from contract.metadata import ATTENTION_MASK, INPUT_IDS, LOGITS, ModelMetadata
 from service.errors import BadRequestError
-from service.validation import Rows, check_rows, int_matrix, texts_to_rows
+from service.validation import MASK_VALUE, Bounds, Rows, Schema, check_rows, int_matrix, texts_to_rows
 
 TEXT = "text"
 PLATFORM = "onnxruntime_onnx"
@@ -21,23 +21,20 @@ MODEL_VERSION = "1"
 KNOWN_INPUTS = (INPUT_IDS, ATTENTION_MASK, TEXT)
 
 
-INT_SCHEMA = {"minimum": 0}  # schema-only hints: the service checks these itself, naming the problem
-
-
 class RequestInput(BaseModel):
     """One input tensor: `input_ids` / `attention_mask` INT64 [B, T], or `text` BYTES [B]; flat row-major `data`."""
 
     model_config = ConfigDict(extra="allow", strict=True)
-    name: str = Field(json_schema_extra={"enum": list(KNOWN_INPUTS)})
-    shape: list[int] = Field(json_schema_extra={"items": {"type": "integer", **INT_SCHEMA}})
-    datatype: str = Field(json_schema_extra={"enum": ["INT64", "BYTES"]})
+    name: str
+    shape: list[int]
+    datatype: str
     parameters: dict[str, Any] | None = None
     data: Any = None
 
 
 class RequestOutput(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
-    name: str = Field(json_schema_extra={"enum": [LOGITS]})
+    name: str
     parameters: dict[str, Any] | None = None
 
 
@@ -109,6 +106,97 @@ class InferResponse(BaseModel):
     model_version: str
     id: str | None = None
     outputs: list[ResponseOutput]
+
+
+FLAG = {"type": ["boolean", "null"]}
+NO_BINARY = {"type": ["object", "null"], "properties": {"binary_data_size": {"type": "null"}}}  # JSON: no binary part
+OUTPUT_SCHEMA = {
+    "type": "object",
+    "required": ["name"],
+    "properties": {
+        "name": {"const": LOGITS},
+        "parameters": {
+            "type": ["object", "null"],
+            "properties": {
+                "binary_data": FLAG | {"description": "true: logits come back as binary tensor data"},
+                "classification": {"type": "null", "description": "the classification extension is not served"},
+            },
+        },
+    },
+}
+
+
+def request_schemas(bounds: Bounds, ref: str) -> dict[str, Schema]:
+    """JSON Schemas of the infer body (InferRequest) and of a binary request's JSON header (InferRequestHeader),
+    with their parts, named as the document's components (`ref`: the $ref template). What JSON Schema cannot
+    state is left to the service's 400s: `data` holds prod(`shape`) values, `attention_mask` has the shape of
+    `input_ids`, every mask row has a token, a text's UTF-8 bytes fit max_len."""
+    tensors = {
+        "IdsInput": _matrix(INPUT_IDS, bounds, bounds.token_id()),
+        "MaskInput": _matrix(ATTENTION_MASK, bounds, MASK_VALUE),
+    }
+    if bounds.text:
+        tensors["TextInput"] = _texts(bounds)
+    sets = [[INPUT_IDS], [INPUT_IDS, ATTENTION_MASK], [ATTENTION_MASK, INPUT_IDS]] + [[TEXT]] * bounds.text
+    kind = {INPUT_IDS: "IdsInput", ATTENTION_MASK: "MaskInput", TEXT: "TextInput"}
+
+    def inputs(schema_of) -> Schema:
+        tuples = [[schema_of(kind[name]) for name in names] for names in sets]
+        return {"anyOf": [{"type": "array", "prefixItems": t, "minItems": len(t), "maxItems": len(t)} for t in tuples]}
+
+    json_inputs = inputs(lambda name: {"$ref": ref.format(model=name)})
+    header_inputs = inputs(lambda name: _data_or_binary(tensors[name]))
+    return {
+        **tensors,
+        "RequestOutput": OUTPUT_SCHEMA,
+        "InferRequest": _request(json_inputs, ref, "The v2 inference request, JSON tensor data."),
+        "InferRequestHeader": _request(header_inputs, ref, "A binary tensor data request's JSON header."),
+    }
+
+
+def _request(inputs: Schema, ref: str, description: str) -> Schema:
+    """A v2 request with these `inputs`; unknown top-level keys are tolerated, as the protocol allows extensions."""
+    return {
+        "type": "object",
+        "description": description,
+        "required": ["inputs"],
+        "properties": {
+            "id": {"type": ["string", "null"]},
+            "parameters": {
+                "type": ["object", "null"],
+                "properties": {"binary_data_output": FLAG | {"description": "true: every output as binary data"}},
+            },
+            "inputs": inputs,
+            "outputs": {"type": ["array", "null"], "items": {"$ref": ref.format(model="RequestOutput")}},
+        },
+    }
+
+
+def _tensor_schema(name: str, datatype: str, shape: Schema, data: Schema) -> Schema:
+    properties = {"name": {"const": name}, "datatype": {"const": datatype}, "shape": shape, "data": data}
+    return {"type": "object", "required": list(properties), "properties": properties | {"parameters": NO_BINARY}}
+
+
+def _matrix(name: str, bounds: Bounds, value: Schema) -> Schema:
+    """An INT64 [B, T] input, `data` flat row-major or nested; `value`: one element's schema."""
+    data = {"anyOf": [bounds.flat(value), bounds.rows(bounds.row(value))]}
+    return _tensor_schema(name, "INT64", bounds.shape(matrix=True), data)
+
+
+def _texts(bounds: Bounds) -> Schema:
+    """The BYTES [B] input of texts: `data` a list of strings (or one string when B is 1)."""
+    text = bounds.text_schema()
+    return _tensor_schema(TEXT, "BYTES", bounds.shape(matrix=False), {"anyOf": [text, bounds.rows(text)]})
+
+
+def _data_or_binary(tensor: Schema) -> Schema:
+    """An input of a binary request's header: its JSON `data`, or `binary_data_size` bytes after the header."""
+    properties = {k: v for k, v in tensor["properties"].items() if k not in ("data", "parameters")}
+    size = {"type": "integer", "minimum": 0, "description": "bytes of this input after the JSON header, in order"}
+    binary = {"type": "object", "required": ["binary_data_size"], "properties": {"binary_data_size": size}}
+    as_json = {"required": ["data"], "properties": {"data": tensor["properties"]["data"], "parameters": NO_BINARY}}
+    as_binary = {"required": ["parameters"], "properties": {"data": {"type": "null"}, "parameters": binary}}
+    return {"type": "object", "required": list(properties), "properties": properties, "oneOf": [as_json, as_binary]}
 
 
 def _tensor(inputs: dict[str, RequestInput], name: str, datatype: str) -> RequestInput | None:
