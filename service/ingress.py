@@ -36,7 +36,7 @@ from service.placement import Colocated, ModelPlacement, Remote
 from service.protocol import binary, simple, v2
 from service.responses import binary_response, json_response
 from service.rpc import tensors
-from service.rpc.server import Answers, GrpcServer, through_serve
+from service.rpc.server import Answers, GrpcServer, streamed_through_serve, through_serve
 
 logger = logging.getLogger(__name__)
 CLIENT_CLOSED = 499  # nginx's code for a request whose client closed the connection first (metrics only)
@@ -365,3 +365,8 @@ class Ingress:
 
     async def Check(self, request: health_pb2.HealthCheckRequest, grpc_context: RayServegRPCContext):
         return await through_serve(grpc_context, self._rpc.Check(request), health_pb2.HealthCheckResponse)
+
+    async def Watch(self, request: health_pb2.HealthCheckRequest, grpc_context: RayServegRPCContext):
+        """A unary-stream RPC, so a generator for Serve's proxy; it raises, UNIMPLEMENTED, before any answer."""
+        await streamed_through_serve(grpc_context, self._rpc.Watch(request))
+        yield health_pb2.HealthCheckResponse()  # never reached

@@ -224,7 +224,7 @@ def test_a_grpc_load_test_names_a_refused_call_like_its_http_twin(app):
     assert bad.status == 404 and "NOT_FOUND: unknown model 'mha-nope'" in json.loads(bad.body)["error"]
 
 
-def test_grpc_health_says_serving_when_ready_and_not_serving_while_draining(app):
+def test_grpc_health_says_serving_when_ready_and_not_serving_while_draining_and_watch_is_unimplemented(app):
     from ray import serve
 
     with grpc.insecure_channel(app.grpc_url) as channel:
@@ -236,6 +236,9 @@ def test_grpc_health_says_serving_when_ready_and_not_serving_while_draining(app)
         with pytest.raises(grpc.RpcError) as unknown:
             health.Check(health_pb2.HealthCheckRequest(service="other"), timeout=30)
         assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(grpc.RpcError) as watch:
+            next(health.Watch(health_pb2.HealthCheckRequest(), timeout=30))
+        assert watch.value.code() == grpc.StatusCode.UNIMPLEMENTED and "poll Check" in watch.value.details()
         serve.get_app_handle(app.name).drain.remote().result(timeout_s=30)  # what SIGTERM starts (the app goes after)
         draining = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=30)
         assert draining.status == health_pb2.HealthCheckResponse.NOT_SERVING

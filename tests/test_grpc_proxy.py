@@ -170,6 +170,14 @@ def test_calls_through_serves_proxy_are_counted_under_the_grpc_endpoint(app, stu
     assert codes == {'code="200"', 'code="400"'}
 
 
+def test_grpc_health_watch_through_serves_proxy_is_unimplemented_as_in_the_replica(app, channel):
+    health = health_pb2_grpc.HealthStub(channel)
+    watch = health.Watch(health_pb2.HealthCheckRequest(), metadata=_metadata(app), timeout=30)
+    with pytest.raises(grpc.RpcError) as refused:
+        next(watch)
+    assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED and "poll Check" in refused.value.details()
+
+
 def test_grpc_health_through_serves_proxy_says_serving_when_ready_and_not_serving_while_draining(app, channel):
     from ray import serve
 

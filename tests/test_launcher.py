@@ -60,6 +60,11 @@ def test_ray_listens_on_loopback_unless_the_api_host_is_another(host, ray_host):
     assert ray_env.LOCAL_RAY_ENV.items() <= env.items()
 
 
+def test_serves_grpc_proxy_is_held_to_the_body_limit_only_where_it_serves_grpc():
+    assert ray_env.ray_env("127.0.0.1", grpc_proxy_limit=4096)[ray_env.GRPC_PROXY_LIMIT_VAR] == "4096"
+    assert ray_env.GRPC_PROXY_LIMIT_VAR not in ray_env.ray_env("127.0.0.1")
+
+
 def test_more_than_one_ingress_replica_on_the_api_port_is_refused_in_one_line(tiny_models_dir, tmp_path, capsys):
     config = tmp_path / "serve.yaml"
     config.write_text("ingress:\n  num_replicas: 2\n")

@@ -126,7 +126,8 @@ def _validated(raw: dict) -> AppConfig:
 
 def start_local(config: AppConfig, opts: LocalServe) -> None:
     """Start an embedded Ray and Serve, and deploy `build_app(config)`; returns once every replica is up."""
-    set_ray_env(opts.host, opts.access_log)
+    proxied_grpc = not opts.direct and opts.grpc_port is not None
+    set_ray_env(opts.host, opts.access_log, config.limits.max_body_bytes if proxied_grpc else None)
     import ray
     from ray import serve
 
@@ -149,7 +150,7 @@ def start_local(config: AppConfig, opts: LocalServe) -> None:
     if opts.direct:  # the ingress serves the API itself: no proxy, so no second way in
         serve.start(proxy_location="Disabled")
     else:
-        grpc = None if opts.grpc_port is None else {"port": opts.grpc_port, "grpc_servicer_functions": SERVE_SERVICERS}
+        grpc = {"port": opts.grpc_port, "grpc_servicer_functions": SERVE_SERVICERS} if proxied_grpc else None
         serve.start(http_options={"host": opts.host, "port": opts.port}, grpc_options=grpc)
     logging = {"enable_access_log": opts.access_log, "log_level": "INFO" if opts.access_log else "WARNING"}
     serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False, logging_config=logging)

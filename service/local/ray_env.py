@@ -36,13 +36,20 @@ ACCESS_LOG_ENV = {"RAY_SERVE_LOG_TO_STDERR": "1", "RAY_SERVE_REQUEST_PATH_LOG_BU
 RAY_ON_LOOPBACK = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
-def ray_env(host: str, access_log: bool = False) -> dict[str, str]:
-    """The environment for an embedded Ray serving the API on `host`."""
+# Serve's gRPC proxy takes messages up to 2 GiB unless told less; the replica's own gRPC server is held to the body
+# limit by gRPC itself (service/rpc/server.py).
+GRPC_PROXY_LIMIT_VAR = "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"
+
+
+def ray_env(host: str, access_log: bool = False, grpc_proxy_limit: int | None = None) -> dict[str, str]:
+    """The environment for an embedded Ray serving the API on `host`; `grpc_proxy_limit`: the largest message
+    Serve's gRPC proxy takes (bytes), where it serves gRPC."""
     loopback = RAY_ON_LOOPBACK if is_loopback(host) else {}
-    return {**LOCAL_RAY_ENV, **loopback, **(ACCESS_LOG_ENV if access_log else {})}
+    grpc = {} if grpc_proxy_limit is None else {GRPC_PROXY_LIMIT_VAR: str(grpc_proxy_limit)}
+    return {**LOCAL_RAY_ENV, **loopback, **(ACCESS_LOG_ENV if access_log else {}), **grpc}
 
 
-def set_ray_env(host: str, access_log: bool = False) -> None:
+def set_ray_env(host: str, access_log: bool = False, grpc_proxy_limit: int | None = None) -> None:
     """Set `ray_env(...)` in this process's environment (inherited by Ray's processes), the user's values kept."""
-    for key, value in ray_env(host, access_log).items():
+    for key, value in ray_env(host, access_log, grpc_proxy_limit).items():
         os.environ.setdefault(key, value)

@@ -93,6 +93,9 @@ class Answers:
         status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
         return health_pb2.HealthCheckResponse(status=status)
 
+    async def Watch(self, request: health_pb2.HealthCheckRequest) -> None:
+        raise NotServedError("Watch is not served: poll Check")
+
 
 async def aborting(context: grpc.aio.ServicerContext, work: Awaitable[T]) -> T:
     """`work`'s answer; a service error aborts the call with its status and message (the replica's own server)."""
@@ -112,6 +115,17 @@ async def through_serve(grpc_context: RayServegRPCContext, work: Awaitable[T], e
         grpc_context.set_code(status_of(exc))
         grpc_context.set_details(str(exc))
         return empty()
+
+
+async def streamed_through_serve(grpc_context: RayServegRPCContext, work: Awaitable[None]) -> None:
+    """`work` for a streaming RPC through Serve's gRPC proxy, which sends a stream's status only when the stream
+    raises: a service error's status and message are set on Serve's context, then it is raised again."""
+    try:
+        await work
+    except ServiceError as exc:
+        grpc_context.set_code(status_of(exc))
+        grpc_context.set_details(str(exc))
+        raise
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
@@ -145,7 +159,7 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
         return await aborting(context, self._answers.Check(request))
 
     async def Watch(self, request, context):
-        await context.abort(status_of(NotServedError()), "Watch is not served: poll Check")
+        await aborting(context, self._answers.Watch(request))
 
 
 class GrpcServer:
