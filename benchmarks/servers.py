@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -63,10 +65,34 @@ def paused(pids: list[int]):
                 os.kill(pid, signal.SIGCONT)
 
 
+def _stat_cpu(stat: Path) -> float:
+    fields = stat.read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of one process so far, from /proc/PID/stat."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
+    return _stat_cpu(Path(f"/proc/{pid}/stat"))
+
+
+def thread_cpu(pid: int) -> dict[int, float]:
+    """User + system CPU time of each thread of one process so far, by thread id, from /proc/PID/task."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            out[int(task.name)] = _stat_cpu(task / "stat")
+    return out
+
+
+def python_threads(pid: int) -> dict[int, str]:
+    """Thread id -> Python thread name of one process, from `py-spy dump`; empty if py-spy cannot (it says why)."""
+    exe = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")  # the venv's, unactivated
+    try:
+        dump = subprocess.run([exe, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        print(f"py-spy dump failed: {exc}", file=sys.stderr)
+        return {}
+    return {int(m[1]): m[2] for m in re.finditer(r'^Thread (\d+) \([^)]*\): "([^"]*)"', dump.stdout, re.M)}
 
 
 def memory_kib(pid: int, field: str) -> int:

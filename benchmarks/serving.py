@@ -26,11 +26,12 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from benchmarks.servers import ServerProcess, cpu_seconds, paused
+from benchmarks.servers import ServerProcess, cpu_seconds, paused, python_threads, thread_cpu
 from benchmarks.stage_profile import stage_shares, table
 from contract.metadata import MODEL_FILE, config_name
 from loadtest import grpc_client
 from loadtest.http_client import LoadResult, load, post_bytes
+from service.engine import ORT_THREADS
 from service.local.ports import free_port
 from service.runtime import SPINNING, load_runtime
 
@@ -198,19 +199,25 @@ def load_sides(
 ) -> dict[str, Side]:
     """A served model as two sides of the rounds: its c=1 p50 (`{prefix} c=1`) and its c=`concurrency` rate
     (`{prefix} loaded`), `loader(concurrency, seconds)` measuring each after WARMUP_S; with `cpu_pid`, also that
-    process's CPU per request under load (its warm-up included)."""
+    process's CPU per request under load (its warm-up included), and that of its threads other than the models' run
+    threads (the protocol, the handler, batching's bookkeeping; ORT's runs excluded)."""
 
     def single(seconds: float) -> dict:
         result = loader(1, seconds)
         return {"c1_p50_ms": result.percentile_ms(50), "errors": result.errors}
 
     def loaded(seconds: float) -> dict:
-        cpu_before = cpu_seconds(cpu_pid) if cpu_pid is not None else 0.0
+        before = thread_cpu(cpu_pid) if cpu_pid is not None else {}
         result = loader(concurrency, seconds)
         p50, p99 = result.percentile_ms(50), result.percentile_ms(99)
         out = {"rate": result.rate, "loaded_p50_ms": p50, "loaded_p99_ms": p99, "errors": result.errors}
         if cpu_pid is not None:
-            out["server_cpu_ms"] = (cpu_seconds(cpu_pid) - cpu_before) * 1e3 / max(1, result.requests)
+            used = {tid: cpu - before.get(tid, 0.0) for tid, cpu in thread_cpu(cpu_pid).items()}
+            per_request = 1e3 / max(1, result.requests)
+            out["server_cpu_ms"] = sum(used.values()) * per_request
+            if names := python_threads(cpu_pid):  # after the window: py-spy stops the process while it reads
+                runs = {tid for tid, name in names.items() if name.startswith(ORT_THREADS)}
+                out["server_cpu_outside_ort_ms"] = sum(c for t, c in used.items() if t not in runs) * per_request
         return out
 
     return {f"{prefix} c=1": (single, server), f"{prefix} loaded": (loaded, server)}
@@ -269,7 +276,8 @@ def rounds(sides: dict[str, Side], n: int, seconds: float) -> dict[str, dict]:
 
 def paired(a: dict, b: dict, key_a: str, key_b: str, op: Callable[[float, float], float]) -> list[float]:
     """op(a's figure, b's figure in the same round), round by round (both from one `rounds`)."""
-    return [op(x[key_a], y[key_b]) for x, y in zip(a["rounds"], b["rounds"], strict=True)]
+    pairs = zip(a["rounds"], b["rounds"], strict=True)
+    return [op(x[key_a], y[key_b]) for x, y in pairs if key_a in x and key_b in y]  # py-spy's figures may be missing
 
 
 def serve_config(models_dir: Path, names: list[str], placement: str, args) -> dict:
@@ -400,6 +408,8 @@ def per_round(bare: dict, plain: dict | None, runs: dict[str, dict]) -> dict[str
         out["grpc_c32_over_http_json"] = paired(grpc_, json_, "rate", "rate", operator.truediv)
         out["grpc_c1_minus_http_json_ms"] = paired(grpc_, json_, "c1_p50_ms", "c1_p50_ms", operator.sub)
         out["binary_c32_over_http_json"] = paired(binary_, json_, "rate", "rate", operator.truediv)
+        outside = "server_cpu_outside_ort_ms"
+        out["grpc_outside_ort_cpu_minus_http_json_ms"] = paired(grpc_, json_, outside, outside, operator.sub)
     direct, proxied = runs.get(GRPC_DIRECT_RUN), runs.get(GRPC_PROXY_RUN)
     if direct is not None and proxied is not None:
         grpc_, json_, in_replica = proxied["grpc"], proxied["http json"], direct["grpc"]
@@ -409,11 +419,13 @@ def per_round(bare: dict, plain: dict | None, runs: dict[str, dict]) -> dict[str
     if (large := runs.get(LARGE_RUN)) is not None:
         json_, binary_ = large["large json"], large["large binary"]
         out["large_binary_cpu_over_json"] = paired(binary_, json_, "server_cpu_ms", "server_cpu_ms", operator.truediv)
+        outside = "server_cpu_outside_ort_ms"
+        out["large_binary_outside_ort_cpu_over_json"] = paired(binary_, json_, outside, outside, operator.truediv)
         out["large_binary_c1_over_json"] = paired(binary_, json_, "c1_p50_ms", "c1_p50_ms", operator.truediv)
     five_fp32, five_int8 = runs.get("serve (five default models, fp32)"), runs.get("serve (five default models, int8)")
     if five_fp32 is not None and five_int8 is not None:
         out["five_int8_pss_over_fp32"] = [five_int8["rss_mib"]["Pss"] / five_fp32["rss_mib"]["Pss"]]
-    return out
+    return {key: values for key, values in out.items() if values}  # a figure without rounds: py-spy could not
 
 
 def report(bare: dict, plain: dict | None, runs: dict[str, dict], figures: dict[str, list[float]], args) -> None:
@@ -551,11 +563,14 @@ def grpc_proxy(args, name: str) -> dict[str, dict]:
 
 LARGE = (64, 512)  # rows x tokens of the large requests: ~200 KB of JSON text against 256 KiB of int64
 LARGE_RUN = "serve (64 x 512 ids per request)"
+# Seconds per figure of the large requests, at least: a few requests a second, and /proc counts a thread's CPU in
+# 10 ms ticks, so a figure needs tens of requests for the ~1 ms outside ORT to show.
+LARGE_SECONDS = 10.0
 
 
 def large_requests(args) -> dict[str, dict]:
     """Requests of 64 x 512 ids to a small model with max_len 512, as v2 JSON and as binary tensor data, in the same
-    rounds: latency at c=1, rate and the ingress replica's CPU per request at c=4."""
+    rounds of LARGE_SECONDS or more: latency at c=1, rate and the ingress replica's CPU per request at c=4."""
     print(f"{LARGE[0]} x {LARGE[1]} ids per request, v2 JSON against binary tensor data...", flush=True)
     name = ensure_model(args.models, 4, 128, 2, max_len=LARGE[1], prefix="long")
     with serve(args.models, {"long": name}, "colocated", args) as server:
@@ -572,7 +587,7 @@ def large_requests(args) -> dict[str, dict]:
                 lambda c, s: load(server.port, binary, c, s, WARMUP_S), 4, server, "large binary", pid
             ),
         }
-        got = rounds(interleaved(parts), args.rounds, args.seconds)
+        got = rounds(interleaved(parts), args.rounds, max(args.seconds, LARGE_SECONDS))
     for label in parts:
         run[label] = joined(got, label)
     run["decode_ms"] = decode_costs(name, json_[0], binary[0])
@@ -625,10 +640,14 @@ def protocol_cpu(runs: dict[str, dict]) -> None:
         ways = runs.get(run_name)
         if ways is None:
             continue
-        print(f"\n{run_name}: ingress replica CPU per request under load (the model's ORT runs included)")
+        print(f"\n{run_name}: ingress replica CPU per request under load, all of it and outside the model's runs")
         for label in labels:
-            each = " ".join(f"{r['server_cpu_ms']:.2f}" for r in ways[label]["rounds"] if "server_cpu_ms" in r)
-            print(f"  {label:<12} {ways[label]['server_cpu_ms']:7.2f} ms  (rounds: {each})")
+            for key in ("server_cpu_ms", "server_cpu_outside_ort_ms"):
+                if key not in ways[label]:
+                    continue
+                each = " ".join(f"{r[key]:.2f}" for r in ways[label]["rounds"] if key in r)
+                where = "all" if key == "server_cpu_ms" else "outside ORT"
+                print(f"  {label:<12} {where:<11} {ways[label][key]:8.2f} ms  (rounds: {each})")
         if "decode_ms" in ways:
             costs = ways["decode_ms"]
             print(

@@ -37,6 +37,7 @@ class ModelStatus:
 # A model lighter than this (multiply-adds x 2 per token) runs on `light_model_threads` ORT threads: its runs are too
 # short for a second thread to pay for its wake-up and synchronisation (docs/benchmarks.md, "Threads").
 LIGHT_MODEL_FLOPS = 4e6
+ORT_THREADS = "ort-"  # the name prefix of a model's run threads (its ORT runs, batch merge and split)
 
 
 def flops_per_token(meta: ModelMetadata) -> float:
@@ -114,7 +115,7 @@ class ModelEngine:
             # main session a moment ago.
             self._beside = load_runtime(models_dir, name, "cpu", beside, settings.spinning)
         # The batcher's runners hold up to max_runs threads while requests keep coming; one more for attention.
-        self._pool = ThreadPoolExecutor(max_workers=policy.max_runs + 1, thread_name_prefix=f"ort-{name}")
+        self._pool = ThreadPoolExecutor(max_workers=policy.max_runs + 1, thread_name_prefix=f"{ORT_THREADS}{name}")
         self._metrics = ReplicaMetrics()
         self.labels = model_labels(rt.meta, rt.backend) if rt is not None else model_labels(None, "", name)
         self._attention = AttentionVariant(models_dir, name, threads)  # opened on first use only
