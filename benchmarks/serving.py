@@ -199,8 +199,8 @@ def load_sides(
 ) -> dict[str, Side]:
     """A served model as two sides of the rounds: its c=1 p50 (`{prefix} c=1`) and its c=`concurrency` rate
     (`{prefix} loaded`), `loader(concurrency, seconds)` measuring each after WARMUP_S; with `cpu_pid`, also that
-    process's CPU per request under load (its warm-up included), and that of its threads other than the models' run
-    threads (the protocol, the handler, batching's bookkeeping; ORT's runs excluded)."""
+    process's CPU per request under load (its warm-up included), and how much of it its Python threads other than the
+    models' run threads took, and its native threads."""
 
     def single(seconds: float) -> dict:
         result = loader(1, seconds)
@@ -216,8 +216,12 @@ def load_sides(
             per_request = 1e3 / max(1, result.requests)
             out["server_cpu_ms"] = sum(used.values()) * per_request
             if names := python_threads(cpu_pid):  # after the window: py-spy stops the process while it reads
-                runs = {tid for tid, name in names.items() if name.startswith(ORT_THREADS)}
-                out["server_cpu_outside_ort_ms"] = sum(c for t, c in used.items() if t not in runs) * per_request
+                # Python threads other than the run threads: the event loop (protocol, handler), gRPC's poller. The
+                # native ones, ORT's pool (a run with every thread) and gRPC's and Ray's own, cannot be told apart.
+                runs = {t for t, name in names.items() if name.startswith(ORT_THREADS)}
+                python = sum(c for t, c in used.items() if t in names and t not in runs)
+                native = sum(c for t, c in used.items() if t not in names)
+                out["server_cpu_python_ms"], out["server_cpu_native_ms"] = python * per_request, native * per_request
         return out
 
     return {f"{prefix} c=1": (single, server), f"{prefix} loaded": (loaded, server)}
@@ -408,8 +412,9 @@ def per_round(bare: dict, plain: dict | None, runs: dict[str, dict]) -> dict[str
         out["grpc_c32_over_http_json"] = paired(grpc_, json_, "rate", "rate", operator.truediv)
         out["grpc_c1_minus_http_json_ms"] = paired(grpc_, json_, "c1_p50_ms", "c1_p50_ms", operator.sub)
         out["binary_c32_over_http_json"] = paired(binary_, json_, "rate", "rate", operator.truediv)
-        outside = "server_cpu_outside_ort_ms"
-        out["grpc_outside_ort_cpu_minus_http_json_ms"] = paired(grpc_, json_, outside, outside, operator.sub)
+        python, native = "server_cpu_python_ms", "server_cpu_native_ms"
+        out["grpc_python_cpu_minus_http_json_ms"] = paired(grpc_, json_, python, python, operator.sub)
+        out["grpc_native_cpu_minus_http_json_ms"] = paired(grpc_, json_, native, native, operator.sub)
     direct, proxied = runs.get(GRPC_DIRECT_RUN), runs.get(GRPC_PROXY_RUN)
     if direct is not None and proxied is not None:
         grpc_, json_, in_replica = proxied["grpc"], proxied["http json"], direct["grpc"]
@@ -419,8 +424,8 @@ def per_round(bare: dict, plain: dict | None, runs: dict[str, dict]) -> dict[str
     if (large := runs.get(LARGE_RUN)) is not None:
         json_, binary_ = large["large json"], large["large binary"]
         out["large_binary_cpu_over_json"] = paired(binary_, json_, "server_cpu_ms", "server_cpu_ms", operator.truediv)
-        outside = "server_cpu_outside_ort_ms"
-        out["large_binary_outside_ort_cpu_over_json"] = paired(binary_, json_, outside, outside, operator.truediv)
+        python = "server_cpu_python_ms"
+        out["large_binary_python_cpu_over_json"] = paired(binary_, json_, python, python, operator.truediv)
         out["large_binary_c1_over_json"] = paired(binary_, json_, "c1_p50_ms", "c1_p50_ms", operator.truediv)
     five_fp32, five_int8 = runs.get("serve (five default models, fp32)"), runs.get("serve (five default models, int8)")
     if five_fp32 is not None and five_int8 is not None:
@@ -563,8 +568,9 @@ def grpc_proxy(args, name: str) -> dict[str, dict]:
 
 LARGE = (64, 512)  # rows x tokens of the large requests: ~200 KB of JSON text against 256 KiB of int64
 LARGE_RUN = "serve (64 x 512 ids per request)"
+CPU_SPLIT = {"server_cpu_ms": "all", "server_cpu_python_ms": "python", "server_cpu_native_ms": "native"}
 # Seconds per figure of the large requests, at least: a few requests a second, and /proc counts a thread's CPU in
-# 10 ms ticks, so a figure needs tens of requests for the ~1 ms outside ORT to show.
+# 10 ms ticks, so a figure needs tens of requests for the protocol's ~1 ms on the event loop to show.
 LARGE_SECONDS = 10.0
 
 
@@ -640,14 +646,13 @@ def protocol_cpu(runs: dict[str, dict]) -> None:
         ways = runs.get(run_name)
         if ways is None:
             continue
-        print(f"\n{run_name}: ingress replica CPU per request under load, all of it and outside the model's runs")
+        print(f"\n{run_name}: ingress replica CPU per request under load: all; its Python threads but the model's runs")
+        print("  (the event loop: protocol and handler; gRPC's poller); its native threads (ORT's pool, gRPC's, Ray's)")
         for label in labels:
-            for key in ("server_cpu_ms", "server_cpu_outside_ort_ms"):
-                if key not in ways[label]:
-                    continue
-                each = " ".join(f"{r[key]:.2f}" for r in ways[label]["rounds"] if key in r)
-                where = "all" if key == "server_cpu_ms" else "outside ORT"
-                print(f"  {label:<12} {where:<11} {ways[label][key]:8.2f} ms  (rounds: {each})")
+            for key, where in CPU_SPLIT.items():
+                if key in ways[label]:
+                    each = " ".join(f"{r[key]:.2f}" for r in ways[label]["rounds"] if key in r)
+                    print(f"  {label:<12} {where:<6} {ways[label][key]:8.2f} ms  (rounds: {each})")
         if "decode_ms" in ways:
             costs = ways["decode_ms"]
             print(
