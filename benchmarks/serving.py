@@ -363,11 +363,14 @@ BAR = {
     "int8_file_over_fp32": 0.3,  # <=
     "five_int8_pss_over_fp32": 0.7,  # <=
     "grpc_c32_over_http_json": 0.95,  # >=
-    "large_binary_cpu_over_json": 1.0,  # <= (less server CPU per request in binary)
+    # <= : less server CPU per request in binary, on the threads the protocol runs on (the model's runs, the same
+    # either way and ~50 x larger, are left out: their noise hides the difference in the total)
+    "large_binary_python_cpu_over_json": 1.0,
 }
 AT_MOST = {
     *("small_c1_over_bare_ms", "default_c1_over_bare_ms", "five_c1_p50_over_alone", "five_pss_mib", "five_ready_s"),
-    *("int8_c1_p50_over_fp32", "int8_file_over_fp32", "five_int8_pss_over_fp32", "large_binary_cpu_over_json"),
+    *("int8_c1_p50_over_fp32", "int8_file_over_fp32", "five_int8_pss_over_fp32"),
+    "large_binary_python_cpu_over_json",
 }
 PRECISION_RUN = "serve (default fp32 and int8)"
 PROTOCOL_RUN = "serve (default model, three ways in)"
