@@ -5,6 +5,10 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -165,3 +169,23 @@ def v2_tensor(name: str, data, datatype: str = "INT64", shape=None) -> dict:
         "shape": list(array.shape) if shape is None else shape,
         "data": array.ravel().tolist(),
     }
+
+
+@contextlib.contextmanager
+def serve_command(args: list[str], log: Path, ready_s: float = 180) -> Iterator[str]:
+    """`mha-serving serve ARGS` started as a user starts it (its output in `log`); yields its start-up summary once
+    it is ready, then stops it with SIGTERM and checks that it exits cleanly."""
+    cmd = [sys.executable, "-m", "service.cli", "serve", *args]
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + ready_s
+        while "Ctrl-C to stop" not in log.read_text():
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, f"not ready after {ready_s:.0f} s:\n" + log.read_text()
+            time.sleep(0.5)
+        yield log.read_text()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=90)
+    assert code == 0, log.read_text()

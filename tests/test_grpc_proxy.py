@@ -9,10 +9,6 @@ key, as Serve's proxy asks then; with one application (a cluster's) none is need
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 
 import grpc
@@ -20,7 +16,7 @@ import httpx
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from serving import bare_logits, deployed, free_port, in_own_process, v2_tensor
+from serving import bare_logits, deployed, free_port, in_own_process, serve_command, v2_tensor
 
 from contract.rpc import inference_pb2 as pb
 from contract.rpc import inference_pb2_grpc as pb_grpc
@@ -203,17 +199,8 @@ def test_the_launcher_serves_grpc_in_the_replica_directly_and_through_serves_pro
 @pytest.mark.slow
 def test_serve_with_proxy_answers_grpc_through_serves_proxy_without_any_metadata(tiny_models_dir, tmp_path):
     port, grpc_port, metrics_port = free_port(), free_port(), free_port()
-    cmd = [sys.executable, "-m", "service.cli", "serve", "--models", str(tiny_models_dir), "--proxy"]
-    cmd += ["--port", str(port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port), "--num-cpus", "2"]
-    log = tmp_path / "serve.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        deadline = time.monotonic() + 180
-        while "Ctrl-C to stop" not in log.read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.5)
-        summary = log.read_text()
+    args = ["--models", str(tiny_models_dir), "--proxy", "--port", str(port), "--grpc-port", str(grpc_port)]
+    with serve_command([*args, "--metrics-port", str(metrics_port), "--num-cpus", "2"], tmp_path / "log") as summary:
         assert f"127.0.0.1:{grpc_port}" in summary and "gRPC proxy listens on every interface" in summary
         ids = _ids(15, (2, 6))
         body = {"inputs": [v2_tensor("input_ids", ids)]}
@@ -223,7 +210,3 @@ def test_serve_with_proxy_answers_grpc_through_serves_proxy_without_any_metadata
             check = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30)
         assert _logits(answer).ravel().tolist() == http["outputs"][0]["data"]
         assert check.status == health_pb2.HealthCheckResponse.SERVING
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(timeout=90)
-    assert code == 0, log.read_text()

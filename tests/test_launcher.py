@@ -3,16 +3,12 @@ request, and clean SIGTERM shutdown."""
 
 from __future__ import annotations
 
-import os
-import signal
 import socket
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
-from serving import free_port
+from serving import free_port, serve_command
 
 from service.local import launcher, ports, ray_env, up
 
@@ -102,20 +98,10 @@ def test_up_finds_which_default_models_are_missing(tiny_models_dir, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("access_log", [False, True], ids=["default", "access-log"])
 def test_serve_starts_answers_on_its_port_and_stops_cleanly_on_sigterm(tiny_models_dir, tmp_path, access_log):
-    port, metrics_port = free_port(), free_port()
-    cmd = [sys.executable, "-m", "service.cli", "serve", "--models", str(tiny_models_dir), "--port", str(port)]
-    cmd += ["--grpc-port", str(free_port())]
-    cmd += ["--metrics-port", str(metrics_port), "--num-cpus", "2", *(["--access-log"] if access_log else [])]
-    log = tmp_path / "serve.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        deadline = time.time() + 180
-        while "Ctrl-C to stop" not in log.read_text():
-            assert proc.poll() is None, log.read_text()
-            assert time.time() < deadline, "not ready after 180 s:\n" + log.read_text()
-            time.sleep(0.5)
-        text = log.read_text()
+    port, metrics_port, log = free_port(), free_port(), tmp_path / "serve.log"
+    args = ["--models", str(tiny_models_dir), "--port", str(port), "--grpc-port", str(free_port())]
+    args += ["--metrics-port", str(metrics_port), "--num-cpus", "2", *(["--access-log"] if access_log else [])]
+    with serve_command(args, log) as text:
         assert f"http://127.0.0.1:{port}/v2/models/{{name}}/infer" in text and "/docs" in text
         assert f"http://127.0.0.1:{metrics_port}/metrics" in text
         assert "model mha-h2-d32: h=2 head_dim=16 d_model=32 on cpu" in text
@@ -127,10 +113,6 @@ def test_serve_starts_answers_on_its_port_and_stops_cleanly_on_sigterm(tiny_mode
             while '"POST /v1/models/mha-h2-d32/predict HTTP/1.1" 200' not in log.read_text():  # uvicorn's line
                 assert time.time() < deadline, "no access log line within 30 s:\n" + log.read_text()
                 time.sleep(0.5)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(timeout=90)
-    assert code == 0, log.read_text()
     assert "shutting down" in log.read_text()
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
