@@ -28,6 +28,7 @@ import yaml
 
 from benchmarks.servers import ServerProcess, cpu_seconds, paused, python_threads, thread_cpu
 from benchmarks.stage_profile import stage_shares, table
+from contract.binary_tensors import HEADER_NAME
 from contract.metadata import MODEL_FILE, config_name
 from loadtest import grpc_client
 from loadtest.http_client import LoadResult, load, post_bytes
@@ -85,7 +86,7 @@ def binary_requests(path: str, n: int, batch: int = 1, tokens: int = TOKENS) -> 
         tensor = {"name": "input_ids", "datatype": "INT64", "shape": list(ids.shape)}
         tensor["parameters"] = {"binary_data_size": len(raw)}
         header = json.dumps({"inputs": [tensor], "parameters": {"binary_data_output": True}}).encode()
-        out.append(post_bytes(path, header + raw, {"Inference-Header-Content-Length": str(len(header))}))
+        out.append(post_bytes(path, header + raw, {HEADER_NAME: str(len(header))}))
     return out
 
 

@@ -1,7 +1,7 @@
 """The Open Inference Protocol's binary tensor data extension, client side: a v2 infer request whose texts travel as
 BYTES binary data with the logits asked back binary (tritonclient.http's defaults), and the check of its answer.
 
-A BYTES element is a 4-byte little-endian length and that many UTF-8 bytes. No torch, nothing of `service/`.
+The extension's framing is contract/binary_tensors.py. No torch, nothing of `service/`.
 """
 
 from __future__ import annotations
@@ -9,18 +9,16 @@ from __future__ import annotations
 import json
 import math
 
+from contract.binary_tensors import HEADER_NAME, encode_bytes
 from contract.metadata import LOGITS
 from loadtest.http_client import Response
 
-HEADER_NAME = "Inference-Header-Content-Length"  # the JSON header's length, in the request's and the answer's head
-EXTENSION = "binary_tensor_data"  # as the service's GET /v2 lists it
-_LENGTH_BYTES = 4  # a BYTES element's length prefix
 _FP32_BYTES = 4
 
 
 def encode_request(texts: list[str]) -> tuple[bytes, int]:
     """(body, JSON header length): the JSON header, then the texts as one BYTES input of binary data."""
-    data = b"".join(len(b).to_bytes(_LENGTH_BYTES, "little") + b for b in (t.encode("utf-8") for t in texts))
+    data = encode_bytes(t.encode("utf-8") for t in texts)
     text = {"name": "text", "datatype": "BYTES", "shape": [len(texts)], "parameters": {"binary_data_size": len(data)}}
     header = json.dumps({"inputs": [text], "parameters": {"binary_data_output": True}}, separators=(",", ":")).encode()
     return header + data, len(header)

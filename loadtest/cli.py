@@ -19,7 +19,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from loadtest import binary, server_metrics
+from contract.binary_tensors import EXTENSION
+from loadtest import server_metrics
 from loadtest.compare import run_compare
 from loadtest.discovery import (
     DiscoveryError,
@@ -189,7 +190,7 @@ def _discover(args: argparse.Namespace, plan: Plan, outcome: Outcome) -> list[Mo
             listed = {m.name: m for m in discover(client, base_url)}
             models = [listed.get(m.name, m) for m in models]
         if "v2-binary" in plan.protocols:
-            check_extension(client, base_url, binary.EXTENSION, "--protocol v2-binary")
+            check_extension(client, base_url, EXTENSION, "--protocol v2-binary")
     if plan.grpc_url and (problem := server_live(plan.grpc_url, plan.limits.timeout_s)):
         raise DiscoveryError(
             f"no gRPC service at {plan.grpc_url} for --protocol grpc ({problem}); give --grpc-url the service's "

@@ -21,6 +21,7 @@ from ray import serve
 from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
 
+from contract.binary_tensors import EXTENSION
 from contract.rpc import inference_pb2 as pb
 from service import attention_api
 from service.coalescer import Coalescer
@@ -321,7 +322,7 @@ class Ingress:
 
     def server_metadata(self) -> dict[str, Any]:
         version = package_version("mha-serving")
-        return {"name": self._config.server_name, "version": version, "extensions": [binary.EXTENSION]}
+        return {"name": self._config.server_name, "version": version, "extensions": [EXTENSION]}
 
     async def model_metadata(self, name: str, version: str | None = None) -> dict[str, Any]:
         self._check_version(name, version)

@@ -14,15 +14,13 @@ from typing import Any
 import numpy as np
 import orjson
 
+from contract.binary_tensors import BYTES_LENGTH, HEADER_NAME
 from contract.metadata import LOGITS
 from service.errors import BadRequestError
 from service.protocol.v2 import InferRequest, RequestInput, response_head
 
-HEADER = "inference-header-content-length"  # the request's and the response's; HTTP header names are case-free
-HEADER_NAME = "Inference-Header-Content-Length"
-EXTENSION = "binary_tensor_data"  # as listed by GET /v2
+HEADER = HEADER_NAME.lower()  # as ASGI gives head fields: HTTP header names are case-free
 NUMERIC = {"INT64": np.dtype("<i8")}  # the numeric input datatypes the models take
-_LENGTH = 4  # bytes of a BYTES element's length prefix
 DESCRIPTION = (  # the v2 infer routes' OpenAPI description
     "JSON tensor data as the schema says, or the binary tensor data extension: a body of the JSON header "
     "(`Inference-Header-Content-Length` bytes) followed by the raw little-endian bytes of each input whose "
@@ -105,10 +103,10 @@ def _strings(name: str, chunk: memoryview, count: int) -> list[str]:
     while pos < end:
         if len(out) == count:
             raise BadRequestError(f"input {name!r}: more than the {count} BYTES elements its shape says")
-        if pos + _LENGTH > end:
+        if pos + BYTES_LENGTH > end:
             raise BadRequestError(f"input {name!r}: the length of BYTES element {len(out)} is cut off")
-        length = int.from_bytes(chunk[pos : pos + _LENGTH], "little")
-        pos += _LENGTH
+        length = int.from_bytes(chunk[pos : pos + BYTES_LENGTH], "little")
+        pos += BYTES_LENGTH
         if pos + length > end:
             raise BadRequestError(f"input {name!r}: BYTES element {len(out)} of {length} bytes runs past its data")
         try:
