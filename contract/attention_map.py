@@ -66,7 +66,7 @@ class AttentionModel:
     def attention_map(self, text: str, layer: int | None = None) -> AttentionMap:
         """The weights on `text` for one layer (0-based) or, with layer=None, for every layer."""
         meta = self.meta
-        if meta.tokenizer != "byte-v1":
+        if not meta.takes_text:
             raise AttentionMapError(f"model {meta.name} takes token ids, not text (tokenizer {meta.tokenizer!r})")
         if layer is not None and not 0 <= layer < meta.layers:
             raise AttentionMapError(

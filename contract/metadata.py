@@ -126,6 +126,11 @@ class ModelMetadata:
         return str(per_layer[0]) if len(set(per_layer)) == 1 else ",".join(map(str, per_layer))
 
     @property
+    def takes_text(self) -> bool:
+        """Whether the model tokenizes text with the built-in byte tokenizer ("ids": token ids only)."""
+        return self.tokenizer == "byte-v1"
+
+    @property
     def attention_dim(self) -> int:
         """h * head_dim: the width of q, k and v (may differ from d_model when head_dim is explicit)."""
         return self.heads * self.head_dim

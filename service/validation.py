@@ -49,7 +49,7 @@ class Bounds:
             max_len=min(m.max_len for m in models),
             vocab_size=min(m.vocab_size for m in models),
             layers=min(m.layers for m in models),
-            text=all(m.tokenizer == "byte-v1" for m in models),
+            text=all(m.takes_text for m in models),
         )
 
     def rows(self, item: Schema) -> Schema:
@@ -151,7 +151,7 @@ def _unsigned_max(matrix: np.ndarray) -> int:
 
 def texts_to_rows(texts: list[str], meta: ModelMetadata, max_rows: int) -> Rows:
     """Tokenize with the model's tokenizer and pad to the longest text."""
-    if meta.tokenizer != "byte-v1":
+    if not meta.takes_text:
         raise BadRequestError(f"model {meta.name!r} takes token ids only (tokenizer {meta.tokenizer!r}), not text")
     if not texts:
         raise BadRequestError("no texts given: send at least one")

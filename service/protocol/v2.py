@@ -279,8 +279,6 @@ def model_metadata(meta: ModelMetadata) -> dict[str, Any]:
             "max_len": meta.max_len,
             "vocab_size": meta.vocab_size,
             "labels": list(meta.labels),
-            "text_input": f"{TEXT} (BYTES [-1]) instead of {INPUT_IDS}/{ATTENTION_MASK}"
-            if meta.tokenizer == "byte-v1"
-            else "",
+            "text_input": f"{TEXT} (BYTES [-1]) instead of {INPUT_IDS}/{ATTENTION_MASK}" if meta.takes_text else "",
         },
     }
