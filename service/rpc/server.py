@@ -106,14 +106,18 @@ async def aborting(context: grpc.aio.ServicerContext, work: Awaitable[T]) -> T:
         raise  # abort raises; never reached
 
 
+def _set_status(grpc_context: RayServegRPCContext, exc: ServiceError) -> None:
+    grpc_context.set_code(status_of(exc))
+    grpc_context.set_details(str(exc))
+
+
 async def through_serve(grpc_context: RayServegRPCContext, work: Awaitable[T], empty: type[T]) -> T:
     """`work`'s answer for Serve's gRPC proxy; for a service error, an `empty` answer with the error's status and
     message set on Serve's context, which the proxy sends instead (raising would log each refusal as a failure)."""
     try:
         return await work
     except ServiceError as exc:
-        grpc_context.set_code(status_of(exc))
-        grpc_context.set_details(str(exc))
+        _set_status(grpc_context, exc)
         return empty()
 
 
@@ -123,8 +127,7 @@ async def streamed_through_serve(grpc_context: RayServegRPCContext, work: Awaita
     try:
         await work
     except ServiceError as exc:
-        grpc_context.set_code(status_of(exc))
-        grpc_context.set_details(str(exc))
+        _set_status(grpc_context, exc)
         raise
 
 
