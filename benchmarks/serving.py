@@ -195,9 +195,18 @@ def loaded_stages(port: int, name: str, seconds: float, concurrency: int, pid: i
 Side = tuple[Callable[[float], dict], object]  # (measure for `seconds`, the server it measures, or None: in process)
 
 
-def load_sides(
-    loader: Callable[[int, float], LoadResult], concurrency: int, server, prefix: str, cpu_pid: int | None = None
-) -> dict[str, Side]:
+Loader = Callable[[int, float], LoadResult]  # (concurrency, seconds) -> what ended in the window after WARMUP_S
+
+
+def http_loader(port: int, requests: list[bytes]) -> Loader:
+    return lambda concurrency, seconds: load(port, requests, concurrency, seconds, WARMUP_S)
+
+
+def grpc_loader(url: str, messages: list) -> Loader:
+    return lambda concurrency, seconds: grpc_client.load(url, messages, concurrency, seconds, WARMUP_S)
+
+
+def load_sides(loader: Loader, concurrency: int, server, prefix: str, cpu_pid: int | None = None) -> dict[str, Side]:
     """A served model as two sides of the rounds: its c=1 p50 (`{prefix} c=1`) and its c=`concurrency` rate
     (`{prefix} loaded`), `loader(concurrency, seconds)` measuring each after WARMUP_S; with `cpu_pid`, also that
     process's CPU per request under load (its warm-up included), and how much of it its Python threads other than the
@@ -231,7 +240,7 @@ def load_sides(
 def served_sides(port: int, name: str, concurrency: int, server, prefix: str) -> dict[str, Side]:
     """A served model's sides (`load_sides`) under v2 JSON requests over HTTP."""
     requests = [post_bytes(f"/v2/models/{name}/infer", b) for b in request_bodies(64)]
-    return load_sides(lambda c, seconds: load(port, requests, c, seconds, WARMUP_S), concurrency, server, prefix)
+    return load_sides(http_loader(port, requests), concurrency, server, prefix)
 
 
 def interleaved(parts: dict[str, dict[str, Side]]) -> dict[str, Side]:
@@ -528,9 +537,9 @@ def protocols(args, name: str) -> dict[str, dict]:
         grpc_url = f"127.0.0.1:{server.grpc_port}"
         json_ = [post_bytes(path, b) for b in request_bodies(64)]
         loaders = {
-            "http json": lambda c, s: load(server.port, json_, c, s, WARMUP_S),
-            "http binary": lambda c, s: load(server.port, binary, c, s, WARMUP_S),
-            "grpc": lambda c, s: grpc_client.load(grpc_url, messages, c, s, WARMUP_S),
+            "http json": http_loader(server.port, json_),
+            "http binary": http_loader(server.port, binary),
+            "grpc": grpc_loader(grpc_url, messages),
         }
         pid = server.replica_pid("ingress")  # it runs the co-located model too: ORT's CPU is in its figure
         parts = {k: load_sides(f, args.concurrency, server, k, cpu_pid=pid) for k, f in loaders.items()}
@@ -558,8 +567,8 @@ def grpc_proxy(args, name: str) -> dict[str, dict]:
         for run_name, way, server in ((GRPC_DIRECT_RUN, "direct", direct), (GRPC_PROXY_RUN, "proxy", proxied)):
             url = f"127.0.0.1:{server.grpc_port}"  # with --proxy, Serve's gRPC proxy's port
             loaders = {
-                "http json": lambda c, s, port=server.port: load(port, json_, c, s, WARMUP_S),
-                "grpc": lambda c, s, url=url: grpc_client.load(url, messages, c, s, WARMUP_S),
+                "http json": http_loader(server.port, json_),
+                "grpc": grpc_loader(url, messages),
             }
             for label, loader in loaders.items():
                 parts[f"{way} {label}"] = load_sides(loader, args.concurrency, server, f"{way} {label}")
@@ -590,12 +599,8 @@ def large_requests(args) -> dict[str, dict]:
         binary = binary_requests(path, 8, *LARGE)
         pid = server.replica_pid("ingress")
         parts = {
-            "large json": load_sides(
-                lambda c, s: load(server.port, json_, c, s, WARMUP_S), 4, server, "large json", pid
-            ),
-            "large binary": load_sides(
-                lambda c, s: load(server.port, binary, c, s, WARMUP_S), 4, server, "large binary", pid
-            ),
+            "large json": load_sides(http_loader(server.port, json_), 4, server, "large json", pid),
+            "large binary": load_sides(http_loader(server.port, binary), 4, server, "large binary", pid),
         }
         got = rounds(interleaved(parts), args.rounds, max(args.seconds, LARGE_SECONDS))
     for label in parts:
