@@ -182,6 +182,21 @@ class RequestLimits(BaseModel):
     max_headers: int = Field(100, ge=8, description="request headers; more get 431")
     max_rows: int = Field(64, ge=1, description="sequences per request; more get 400")
     body_timeout_s: float = Field(10.0, gt=0, description="the whole body must arrive within this; else 408")
+    header_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="the request line and headers must arrive within this of the connection's start (on a kept-alive "
+        "connection: of the next request's first byte), however they trickle; else 408 and a close. A connection "
+        "that sends nothing is closed. Enforced by the ingress's own server (ingress.port)",
+    )
+    max_connections: int = Field(
+        4096,
+        ge=8,
+        description="open connections to the ingress's own server (ingress.port); one more is answered 503 with "
+        "Retry-After and closed. Keep it well under the replica's file descriptor limit (ulimit -n; 20,000 where it "
+        "was tested): Ray's own sockets, the model files and refusals still closing need the rest, and each "
+        "connection may hold a head of max_header_bytes",
+    )
     drain_s: float = Field(
         8.0, ge=0, description="on SIGTERM: readiness 503 at once, requests in progress get this long to finish"
     )

@@ -40,6 +40,15 @@ class BodyTimeoutError(ServiceError):
         return {"Connection": "close"}  # the rest of the body may still be coming: do not read it as a request
 
 
+class HeadTimeoutError(ServiceError):
+    """408: the request line and headers did not arrive within the configured time (a slow or stalled client)."""
+
+    status = 408
+
+    def headers(self) -> dict[str, str]:
+        return {"Connection": "close"}
+
+
 class HeadersTooLargeError(ServiceError):
     """431: the request line and headers are over the configured size, or there are too many headers."""
 
@@ -73,6 +82,13 @@ class RetryLaterError(ServiceError):
 
 class OverCapacityError(RetryLaterError):
     """503: the server's or the model's bounded queue is full; retry later."""
+
+
+class TooManyConnectionsError(OverCapacityError):
+    """503: the ingress replica holds its limit of connections; this one is refused and closed."""
+
+    def headers(self) -> dict[str, str]:
+        return {**super().headers(), "Connection": "close"}
 
 
 class ModelQueueFullError(OverCapacityError):

@@ -303,6 +303,8 @@ class Ingress:
         while True:
             try:
                 self._metrics.refresh()
+                if self._server is not None:
+                    self._server.refresh_metrics()
             except Exception:  # one failed export must not stop the counters and gauges for good
                 logger.exception("refreshing the ingress metrics failed; trying again in %g s", GAUGE_REFRESH_S)
             await asyncio.sleep(GAUGE_REFRESH_S)

@@ -1,12 +1,17 @@
 """The ingress's own HTTP server and the one uvicorn adapter (service/http/head_limits.py) on a real uvicorn on
-loopback: heads over the limits refused as they arrive, a request cancelled when its client leaves, requests in
-progress counted from their head, the replica's signals left alone; a response's writes coalesced into one send.
-Each test fails when the adapter's hook into uvicorn stops engaging. The whole service: tests/test_reliability.py."""
+loopback: heads over the limits refused as they arrive, slow heads and silent connections cut at header_timeout_s,
+idle keep-alive bounded, connections over the cap refused, each counted; a request cancelled when its client
+leaves, requests in progress counted from their head, the replica's signals left alone; a response's writes
+coalesced into one send. Each test fails when the adapter's hook into uvicorn stops engaging. The whole service:
+tests/test_reliability.py and tests/test_slow_heads.py."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import json
 import signal
+import time
 
 from service.config import RequestLimits
 from service.http.head_limits import CoalescedWrites
@@ -84,13 +89,14 @@ def test_a_flush_with_nothing_pending_sends_nothing():
     assert asyncio.run(idle()) == [b"x"]
 
 
-async def _serve(app, **limits) -> tuple[HttpServer, int]:
+async def _serve(app, keep_alive_s: int = 30, **limits) -> tuple[HttpServer, int]:
     port = free_port()
-    server = HttpServer(app, "127.0.0.1", port, LIMITS.model_copy(update=limits))
+    server = HttpServer(app, "127.0.0.1", port, LIMITS.model_copy(update=limits), keep_alive_s=keep_alive_s)
     for _ in range(200):
         try:
             _, writer = await asyncio.open_connection("127.0.0.1", port)
             writer.close()
+            await writer.wait_closed()
             return server, port
         except OSError:
             await asyncio.sleep(0.01)
@@ -183,3 +189,99 @@ def test_the_server_leaves_the_processs_signal_handlers_alone_and_refuses_a_take
     message = asyncio.run(scenario())
     assert signal.getsignal(signal.SIGTERM) is before
     assert "the ingress cannot listen on 127.0.0.1:" in message
+
+
+async def _until_closed(reader: asyncio.StreamReader, within_s: float) -> tuple[bytes, float]:
+    """Everything the server sends until it closes the connection, and the seconds that took."""
+    start = time.perf_counter()
+    answer = b""
+    while chunk := await asyncio.wait_for(reader.read(65536), within_s):
+        answer += chunk
+    return answer, time.perf_counter() - start
+
+
+def test_a_trickled_head_is_cut_at_header_timeout_s_with_a_json_408_and_counted():
+    async def scenario() -> tuple[bytes, float, int]:
+        server, port = await _serve(_ok, header_timeout_s=1.0)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET / HTTP/1.1\r\n")
+
+        async def trickle() -> None:  # a header line every 0.2 s: each byte must not push the deadline back
+            for i in itertools.count():
+                await asyncio.sleep(0.2)
+                writer.write(b"X-Slow-%d: v\r\n" % i)
+
+        trickling = asyncio.create_task(trickle())
+        answer, seconds = await _until_closed(reader, 5)
+        trickling.cancel()
+        writer.close()
+        return answer, seconds, server.connection_metrics.header_timeouts
+
+    answer, seconds, timeouts = asyncio.run(scenario())
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408") and b"connection: close" in head.lower(), answer[:300]
+    assert json.loads(body)["error"].startswith("the request head did not arrive within 1 s (")
+    assert 1.0 <= seconds < 2.0 and timeouts == 1, seconds
+
+
+def test_a_connection_that_sends_nothing_is_closed_without_an_answer_at_header_timeout_s():
+    async def scenario() -> tuple[bytes, float, int]:
+        server, port = await _serve(_ok, header_timeout_s=1.0)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        answer, seconds = await _until_closed(reader, 5)
+        writer.close()
+        return answer, seconds, server.connection_metrics.header_timeouts
+
+    answer, seconds, timeouts = asyncio.run(scenario())
+    assert answer == b"" and 1.0 <= seconds < 2.0 and timeouts == 1, (answer, seconds)
+
+
+def test_on_a_kept_alive_connection_idle_time_is_keep_alive_s_and_the_next_head_gets_header_timeout_s():
+    """After a response: silence is bounded by the keep-alive timeout (closed, no answer); a next head that has
+    begun (a bare CRLF too, which begins none yet stops uvicorn's keep-alive timer) by header_timeout_s."""
+
+    async def scenario() -> list[tuple[bytes, float]]:
+        _, port = await _serve(_ok, keep_alive_s=1, header_timeout_s=2.0)
+        out = []
+        for after_response in (b"", b"GET / HTTP/1.1\r\nX-Slow: ", b"\r\n"):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            first = await reader.readuntil(b"{}")
+            writer.write(after_response)
+            answer, seconds = await _until_closed(reader, 5)
+            out.append((first + answer, seconds))
+            writer.close()
+        return out
+
+    (idle, idle_s), (slow, slow_s), (crlf, crlf_s) = asyncio.run(scenario())
+    ok = b"HTTP/1.1 200 OK"
+    assert idle.startswith(ok) and idle.count(b"HTTP/1.1") == 1 and 1.0 <= idle_s < 2.0, (idle, idle_s)
+    assert slow.startswith(ok) and b"HTTP/1.1 408" in slow and 2.0 <= slow_s < 3.0, (slow, slow_s)
+    assert crlf.startswith(ok) and crlf.count(b"HTTP/1.1") == 1 and 2.0 <= crlf_s < 3.0, (crlf, crlf_s)
+
+
+def test_a_connection_over_max_connections_gets_a_json_503_with_retry_after_and_the_rest_are_served():
+    async def scenario() -> tuple[bytes, bytes, int, int, int]:
+        server, port = await _serve(_ok, max_connections=8)
+        held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(8)]
+        await asyncio.sleep(0.1)  # all accepted
+        open_at_cap = server.open_connections()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        refused, _ = await _until_closed(reader, 5)
+        writer.close()
+        _, first = held[0]
+        first.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")  # a connection under the cap is served as before
+        served = await held[0][0].readuntil(b"{}")
+        for _, w in held:
+            w.close()
+        await asyncio.sleep(0.2)
+        server.refresh_metrics()  # what the ingress calls every second: adds what was counted since, if anything
+        server.refresh_metrics()
+        return refused, served, open_at_cap, server.connection_metrics.refused, server.open_connections()
+
+    refused, served, open_at_cap, count, open_after = asyncio.run(scenario())
+    head, _, body = refused.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in head.lower(), refused[:300]
+    assert json.loads(body)["error"] == "the server holds its limit of 8 connections; retry later"
+    assert served.startswith(b"HTTP/1.1 200") and open_at_cap == 8 and count == 1 and open_after == 0

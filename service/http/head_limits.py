@@ -1,7 +1,8 @@
-"""The one adapter to uvicorn's internals: its httptools protocol, refusing an oversized request head while it
-arrives (no public uvicorn option bounds a head under httptools), writing each response in one send, and cancelling
-a request whose client went away. uvicorn and httptools are pinned to the tested range (pyproject.toml);
-tests/test_head_limits.py fails when a hook stops engaging. No torch.
+"""The one adapter to uvicorn's internals: its httptools protocol, refusing an oversized or slow request head while
+it arrives and a connection over the cap (no public uvicorn option bounds a head's size or time, and its
+`limit_concurrency` counts only complete heads), writing each response in one send, and cancelling a request whose
+client went away. uvicorn and httptools are pinned to the tested range (pyproject.toml); tests/test_head_limits.py
+and tests/test_slow_heads.py fail when a hook stops engaging. No torch.
 """
 
 from __future__ import annotations
@@ -12,16 +13,26 @@ import functools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from service.config import RequestLimits
-from service.errors import BodyTooLargeError, HeadersTooLargeError, ServiceError
+from service.errors import (
+    BodyTooLargeError,
+    HeadersTooLargeError,
+    HeadTimeoutError,
+    ServiceError,
+    TooManyConnectionsError,
+)
+from service.http.connection_metrics import ConnectionMetrics
 from service.responses import raw_error_response
 
 HEAD_CHECKED = "mha.head_checked"  # scope key: the head was held to the limits as it arrived
 LINGER_S = 2.0  # after a refusal, the rest of the request is read and dropped this long, so the client sees the answer
+# After a 408 for a slow head or a 503 over the connection cap: no large body is on its way, and the descriptor must
+# be free again soon (a slow head's connection is closed within header_timeout_s + 1 s).
+SHORT_LINGER_S = 0.5
 
 
-def protocol(limits: RequestLimits) -> functools.partial:
-    """What `uvicorn.Config(http=...)` takes: the protocol class, bound to `limits`."""
-    return functools.partial(HeadLimitedProtocol, limits=limits)
+def protocol(limits: RequestLimits, metrics: ConnectionMetrics) -> functools.partial:
+    """What `uvicorn.Config(http=...)` takes: the protocol class, bound to `limits` and counting into `metrics`."""
+    return functools.partial(HeadLimitedProtocol, limits=limits, metrics=metrics)
 
 
 def body_too_large(size: int, limit: int) -> BodyTooLargeError:
@@ -34,6 +45,14 @@ def head_too_large(limit: int) -> HeadersTooLargeError:
 
 def too_many_headers(limit: int) -> HeadersTooLargeError:
     return HeadersTooLargeError(f"more than {limit} request headers")
+
+
+def head_timed_out(limit_s: float, arrived: int) -> HeadTimeoutError:
+    return HeadTimeoutError(f"the request head did not arrive within {limit_s:g} s ({arrived} bytes read)")
+
+
+def too_many_connections(limit: int) -> TooManyConnectionsError:
+    return TooManyConnectionsError(f"the server holds its limit of {limit} connections; retry later")
 
 
 class CoalescedWrites:
@@ -73,11 +92,14 @@ class CoalescedWrites:
 class HeadLimitedProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol, refusing a request while its head arrives: a head (request line and headers)
     over `limits.max_header_bytes` or with more than `limits.max_headers` headers (431; nothing past the limit is
-    kept), or an `Expect: 100-continue` for a body over `limits.max_body_bytes` (413, before any `100 Continue`)."""
+    kept), an `Expect: 100-continue` for a body over `limits.max_body_bytes` (413, before any `100 Continue`), or a
+    head not complete within `limits.header_timeout_s` (408; silence is closed without an answer). A connection
+    over `limits.max_connections` gets a 503 with Retry-After as soon as it is accepted."""
 
-    def __init__(self, *args, limits: RequestLimits, **kwargs) -> None:
+    def __init__(self, *args, limits: RequestLimits, metrics: ConnectionMetrics, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.limits = limits
+        self.limits, self.metrics = limits, metrics
+        self._head_timer: asyncio.TimerHandle | None = None  # armed while a head is awaited or arriving
         self._in_head = False  # a request head has begun and is not complete yet
         self._head_bytes = 0  # its bytes as parsed (request target, headers)
         self._arrived = 0  # bytes received while it was incomplete
@@ -95,6 +117,14 @@ class HeadLimitedProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self.transport = CoalescedWrites(transport, self.loop)  # type: ignore[assignment]
+        # uvicorn's limit_concurrency is checked once a head is complete: slow heads never meet it, and it would
+        # refuse the next request of a connection already open. The cap is held here, at accept.
+        if len(self.connections) > self.limits.max_connections:  # this one included
+            self.metrics.refused += 1
+            self._refusal = too_many_connections(self.limits.max_connections)
+            self._refuse(SHORT_LINGER_S)
+            return
+        self._arm_head_timer()  # a connection that sends nothing is closed too
 
     def on_response_complete(self) -> None:
         self.transport.flush()
@@ -103,6 +133,7 @@ class HeadLimitedProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         """The client went away: a request still unanswered is cancelled (its batch slot freed, counted as 499)."""
         cycle, task = self.cycle, self._task
+        self._disarm_head_timer()
         super().connection_lost(exc)
         if task is not None and cycle is not None and not cycle.response_complete and not task.done():
             task.cancel()
@@ -116,6 +147,10 @@ class HeadLimitedProtocol(HttpToolsProtocol):
             if self._arrived > self.limits.max_header_bytes:
                 self._refusal = head_too_large(self.limits.max_header_bytes)
                 self._refuse()
+        # Armed after the parser has run, so a whole request in one read costs no timer. uvicorn stops its
+        # keep-alive timer on any byte, even a bare CRLF that begins no request: the head's timer covers that too.
+        if self._head_timer is None and self._refusal is None and (self._in_head or self._between_requests()):
+            self._arm_head_timer()
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -138,6 +173,7 @@ class HeadLimitedProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
+        self._disarm_head_timer()
         length = dict(self.headers).get(b"content-length", b"") if self.expect_100_continue else b""
         if length.isdigit() and int(length) > self.limits.max_body_bytes:
             self._stop(body_too_large(int(length), self.limits.max_body_bytes))
@@ -154,9 +190,35 @@ class HeadLimitedProtocol(HttpToolsProtocol):
             return super().send_400_response(msg)
         self._refuse()
 
-    def _refuse(self) -> None:
-        """Answer the refusal, then read and drop what the client still sends for LINGER_S before closing."""
+    def _refuse(self, linger_s: float = LINGER_S) -> None:
+        """Answer the refusal, then read and drop what the client still sends for `linger_s` before closing (sooner
+        if the client closes first)."""
+        self._disarm_head_timer()
         self.transport.write(raw_error_response(self._refusal))
         if self.transport.can_write_eof():
             self.transport.write_eof()
-        self.loop.call_later(LINGER_S, self.transport.close)
+        self.loop.call_later(linger_s, self.transport.close)
+
+    def _between_requests(self) -> bool:
+        return self.cycle is None or self.cycle.response_complete
+
+    def _arm_head_timer(self) -> None:
+        if not self.transport.is_closing():
+            self._head_timer = self.loop.call_later(self.limits.header_timeout_s, self._head_timed_out)
+
+    def _disarm_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        """No complete head within header_timeout_s of the connection's start, or of the first byte after the last
+        response: a 408 for a head begun, a plain close for silence or while an earlier response is still going
+        out (a 408 would land inside it)."""
+        self._head_timer = None
+        self.metrics.header_timeouts += 1
+        if self._in_head and self._between_requests():
+            self._refusal = head_timed_out(self.limits.header_timeout_s, self._arrived)
+            self._refuse(SHORT_LINGER_S)
+        else:
+            self.transport.close()

@@ -15,6 +15,7 @@ import uvicorn
 
 from service.config import RequestLimits
 from service.http import head_limits
+from service.http.connection_metrics import ConnectionMetrics
 
 KEEP_ALIVE_S = 30  # idle keep-alive connections are closed after this (uvicorn's default 5 s cut load generators off)
 
@@ -71,16 +72,25 @@ class AccessLog:
 
 class HttpServer:
     """One uvicorn server over `app`, started on the running event loop; bound at construction, so a port that
-    cannot be had fails the replica's start, saying why."""
+    cannot be had fails the replica's start, saying why. Its connections are counted in `connection_metrics`."""
 
-    def __init__(self, app, host: str, port: int, limits: RequestLimits, access_log: bool = False) -> None:
+    def __init__(
+        self,
+        app,
+        host: str,
+        port: int,
+        limits: RequestLimits,
+        access_log: bool = False,
+        keep_alive_s: int = KEEP_ALIVE_S,
+    ) -> None:
+        self.connection_metrics = ConnectionMetrics()
         config = uvicorn.Config(
             AccessLog(app) if access_log else app,
-            http=head_limits.protocol(limits),
+            http=head_limits.protocol(limits, self.connection_metrics),
             lifespan="off",
             log_config=None,
             access_log=False,  # uvicorn's own access logger is reconfigured by Serve in a replica: AccessLog instead
-            timeout_keep_alive=KEEP_ALIVE_S,
+            timeout_keep_alive=keep_alive_s,
             server_header=False,
             proxy_headers=False,  # it faces clients itself: no X-Forwarded-* rewriting of every request's scope
         )
@@ -92,6 +102,14 @@ class HttpServer:
         """Requests whose head was read and whose response is not complete yet, every connection's: each has its
         task from the moment its head is parsed, before the event loop runs any of them."""
         return len(self._server.server_state.tasks)
+
+    def open_connections(self) -> int:
+        """Connections open now, refused ones still closing included."""
+        return len(self._server.server_state.connections)
+
+    def refresh_metrics(self) -> None:
+        """Export the connection metrics; the ingress calls it from its periodic metrics refresh."""
+        self.connection_metrics.refresh(self.open_connections())
 
     def check(self) -> None:
         """Raise if the server stopped (Serve's health check then replaces the replica)."""
