@@ -12,12 +12,11 @@ from typing import Any
 import ray
 from ray.serve.deployment import Application
 
-from service.config import AppConfig
+from service.config import INGRESS_NAME, AppConfig
 from service.deployment import model_deployment
 from service.ingress import Ingress
 from service.model_store import find_models
-
-INGRESS_NAME = "ingress"
+from service.routes import RouteTable
 
 
 def gpu_share(backend: str, cluster_gpus: float, n_models: int) -> float:
@@ -34,6 +33,7 @@ def build_app(args: AppConfig | dict[str, Any] | None = None) -> Application:
     config = args if isinstance(args, AppConfig) else AppConfig.model_validate(args or {})
     models_dir = str(Path(config.models_dir).resolve())  # replicas may not share the builder's working directory
     names = find_models(models_dir, config.models)
+    RouteTable.build(config.routes, names)  # a route that cannot be served fails the start (or redeploy) here
     cluster_gpus = ray.cluster_resources().get("GPU", 0.0) if ray.is_initialized() else 0.0
     config = config.model_copy(update={"models_dir": models_dir})
     colocated = [n for n in names if config.placement_for(n, cluster_gpus) == "colocated"]
@@ -51,7 +51,14 @@ def build_app(args: AppConfig | dict[str, Any] | None = None) -> Application:
         max_ongoing_requests=ingress.max_ongoing_requests,
         max_queued_requests=ingress.max_queued_requests,
         health_check_period_s=ingress.health_check_period_s,
+        user_config=routes_config(config),
     ).bind(remote, colocated, config)
+
+
+def routes_config(config: AppConfig) -> dict[str, Any]:
+    """The ingress's user_config: its routes, which Serve changes in place (`Ingress.reconfigure`) on a redeploy
+    that changes nothing else."""
+    return {"routes": {name: route.model_dump() for name, route in config.routes.items()}}
 
 
 def failure_reasons(app_name: str) -> dict[str, str]:

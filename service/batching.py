@@ -136,6 +136,11 @@ class DynamicBatcher:
         slowest = max(p.queue_s for p in parts)
         return BatchResult(logits, max(p.batch_rows for p in parts), slowest, sum(p.run_s for p in parts))
 
+    def busy(self) -> bool:
+        """Whether a run is in flight or a request waits for one."""
+        with self._lock:
+            return self._runners > 0 or bool(self._waiting)
+
     def _inline_fits(self, ids: np.ndarray) -> bool:
         """Whether this (n, T) request of a lone caller runs inline: the model idle, its run expected short."""
         per_token = self._lone_s_per_token

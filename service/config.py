@@ -15,6 +15,7 @@ Placement = Literal["auto", "colocated", "deployment"]
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: larger request bodies get 413
 HEALTH_CHECK_PERIOD_S = 2.0  # Serve's default 10 s: a crashed replica went unnoticed (and unreplaced) that long
 MAX_HEADER_BYTES = 64 << 10  # 64 KiB of request line and headers (nginx allows 32 KiB, Node.js 16 KiB)
+INGRESS_NAME = "ingress"  # the ingress deployment's name (a Serve config's `deployments` entry)
 MAX_COLOCATED_THREADS = 4  # ORT's intra-op scaling flattens past a few threads at the batch sizes served here
 
 
@@ -205,6 +206,43 @@ class RequestLimits(BaseModel):
     )
 
 
+class Shadow(BaseModel):
+    """A model that gets a copy of a share of a route's requests: its answers are compared with the answered ones
+    (the agreement metrics), never returned."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str = Field(description="the shadow model's name")
+    fraction: float = Field(1.0, description="the share of the route's requests mirrored to it, within [0, 1]")
+
+    @field_validator("fraction")
+    @classmethod
+    def _within_one(cls, value: float) -> float:
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"must be within [0, 1], got {value:g}")
+        return value
+
+
+class Route(BaseModel):
+    """A name served like a model that sends each request to one of its target models by weight."""
+
+    model_config = ConfigDict(extra="forbid")
+    targets: dict[str, float] = Field(
+        description="model name -> weight (any non-negative numbers, not all 0): a target's share is its weight over "
+        "the sum; a request with the same `x-route-key` header always reaches the same target for the same weights"
+    )
+    shadow: Shadow | None = Field(None, description="a model mirrored a share of the requests, on spare capacity only")
+
+    @field_validator("targets")
+    @classmethod
+    def _weights(cls, targets: dict[str, float]) -> dict[str, float]:
+        negative = {name: weight for name, weight in targets.items() if weight < 0}
+        if negative:
+            raise ValueError(f"weights must not be negative: {negative}")
+        if sum(targets.values()) <= 0:
+            raise ValueError(f"the weights must not sum to 0: {targets or 'no targets'}")
+        return targets
+
+
 class AppConfig(BaseModel):
     """`args` of `import_path: service.app:build_app`. Field names are stable: deploy/ and the CLI rely on them."""
 
@@ -218,6 +256,11 @@ class AppConfig(BaseModel):
     )
     ingress: IngressSettings = IngressSettings()
     limits: RequestLimits = RequestLimits()
+    routes: dict[str, Route] = Field(
+        default_factory=dict,
+        description="route name -> its targets and shadow; served like a model (service/routes.py). Redeploying "
+        "changes them without a restart (the ingress's user_config)",
+    )
     server_name: str = "mha-serving"
 
     @model_validator(mode="after")

@@ -37,6 +37,10 @@ class ModelServer:
         """Several requests' (ids, mask) in one call (the ingress groups them) -> a result or an error per request."""
         return list(await asyncio.gather(*(self._engine.infer(i, m) for i, m in requests), return_exceptions=True))
 
+    async def spare_infer(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray | None:
+        """A mirrored request's (n, C) logits, run only while this replica has no work (service/shadow.py)."""
+        return await self._engine.spare_infer(ids, mask)
+
     async def attention(self, ids: np.ndarray) -> AttentionResult:
         return await self._engine.attention(ids)
 

@@ -12,10 +12,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
+import onnxruntime as ort
 
 from contract.metadata import ModelMetadata
 from service.attention_api import AttentionResult, AttentionVariant
-from service.batching import BatchPolicy, BatchResult, DynamicBatcher
+from service.batching import BatchPolicy, BatchResult, DynamicBatcher, merge
 from service.config import DeploymentSettings
 from service.errors import ModelFileError, NotReadyError
 from service.metrics import ReplicaMetrics, model_labels
@@ -119,6 +120,7 @@ class ModelEngine:
         self._metrics = ReplicaMetrics()
         self.labels = model_labels(rt.meta, rt.backend) if rt is not None else model_labels(None, "", name)
         self._attention = AttentionVariant(models_dir, name, threads)  # opened on first use only
+        self._spare: ort.RunOptions | None = None  # the options of a mirrored request's run in progress
         self._batcher = None
         if rt is not None:
             self._batcher = DynamicBatcher(name, self._run, self._pool, policy, self._record_batch)
@@ -134,7 +136,32 @@ class ModelEngine:
         the caller knows nothing else is in progress in this process (a short run may then be inline)."""
         if self._batcher is None:
             raise NotReadyError(f"model {self.name!r} is not ready: {self._error}")
+        self.preempt()
         return await self._batcher.infer(ids, mask, alone)
+
+    async def spare_infer(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray | None:
+        """(n, T) ids and mask of a mirrored request -> its (n, C) logits, run only while this model has no work;
+        None when it had work, or when `preempt` stopped the run."""
+        if self._batcher is None:
+            raise NotReadyError(f"model {self.name!r} is not ready: {self._error}")
+        if self._batcher.busy():
+            return None
+        ids, mask, _ = merge([(ids, mask)])  # (n, T'), trailing padding trimmed
+        options = ort.RunOptions()
+        self._spare = options
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, self._runtime.run, ids, mask, options)
+        except Exception:
+            if options.terminate:
+                return None
+            raise
+        finally:
+            self._spare = None
+
+    def preempt(self) -> None:
+        """Stop the mirrored request's run in progress, if any: ORT checks the flag between nodes."""
+        if (options := self._spare) is not None:
+            options.terminate = True
 
     async def attention(self, ids: np.ndarray) -> AttentionResult:
         """(1, T) ids of one text -> per-layer, per-head weights from model.attn.onnx; not on the `infer` path."""

@@ -36,8 +36,10 @@ from service.metrics import GAUGE_REFRESH_S, UNKNOWN_MODEL, IngressMetrics, mode
 from service.placement import Colocated, ModelPlacement, Remote
 from service.protocol import binary, simple, v2
 from service.responses import binary_response, json_response
+from service.routes import ROUTE_KEY, RouteConfigError, RoutePlan, RouteTable
 from service.rpc import tensors
 from service.rpc.server import Answers, GrpcServer, streamed_through_serve, through_serve
+from service.shadow import Agreement, Mirror, ShadowTraffic
 
 logger = logging.getLogger(__name__)
 CLIENT_CLOSED = 499  # nginx's code for a request whose client closed the connection first (metrics only)
@@ -115,6 +117,9 @@ class Ingress:
         self._draining = False  # set by `drain` on SIGTERM: readiness answers 503 from then on
         self._metrics = IngressMetrics()
         self._gauge_refresher: asyncio.Task | None = None
+        self._routes = RouteTable.build(config.routes, self.model_names)
+        self._routes_installed = False  # set by the first `reconfigure`: a later invalid one keeps the routes served
+        self._shadows = ShadowTraffic(self._run_shadow, self._preempt, self._busy, self._record_shadow)
         self._app = create_app(self)
         ingress = config.ingress
         self._server = None
@@ -124,6 +129,21 @@ class Ingress:
         self._grpc = None
         if ingress.grpc_port is not None:
             self._grpc = GrpcServer(self._rpc, ingress.host, ingress.grpc_port, self.limits)
+
+    def reconfigure(self, user_config: dict[str, Any]) -> None:
+        """Serve's in-place reconfigure (the deployment's user_config changed, no restart): install its routes whole.
+        Requests in progress keep the target they were given. Invalid routes fail a starting replica, saying why;
+        a running one logs why and keeps serving the routes it has (Serve would otherwise replace every replica
+        with one that cannot start)."""
+        try:
+            table = RouteTable.build(user_config.get("routes") or {}, self.model_names)
+        except RouteConfigError as exc:
+            if not self._routes_installed:
+                raise
+            logger.error("routes not changed: invalid config: %s", exc)
+            return
+        self._routes, self._routes_installed = table, True
+        self._app.openapi_schema = None  # the document names the routes: built again on its next request
 
     def __serve_build_asgi_app__(self):
         """Serve's hook for an application built by the replica: the one application, for Serve's proxy."""
@@ -150,7 +170,8 @@ class Ingress:
     def _model(self, name: str) -> ModelPlacement:
         model = self._models.get(name)
         if model is None:
-            raise ModelNotFoundError(f"unknown model {_shorten(name)!r}; models: {self.model_names}")
+            routes = f"; routes: {self._routes.names}" if self._routes.names else ""
+            raise ModelNotFoundError(f"unknown model {_shorten(name)!r}; models: {self.model_names}{routes}")
         return model
 
     async def _status(self, name: str, live: bool = False) -> ModelStatus:
@@ -175,56 +196,67 @@ class Ingress:
 
     # ---- inference ----
     async def infer(self, request: Request, name: str, version: str | None = None) -> Response:
-        """Open Inference Protocol v2 inference."""
+        """Open Inference Protocol v2 inference, of a model or a route (answered by one of its targets)."""
+        target, route = self._routes.resolve(name, request.headers.get(ROUTE_KEY))
 
         async def work(status: ModelStatus | None) -> Response:
             self._check_version(name, version)
-            self._model(name)  # 404 before the body is read
+            self._model(target)  # 404 before the body is read
             raw = await read_body(request, self.limits)
             header, blob = binary.split(raw, request.headers.get(binary.HEADER))
             body = parse_body(header, v2.InferRequest)
             binary.attach(body, blob)
             as_binary = binary.wants_binary(body)
-            logits = await self._v2_logits(name, status, body, self._alone())
+            logits = await self._v2_logits(target, status, body, self._alone(), route)
             if as_binary:
-                return binary_response(*binary.infer_response(name, body, logits), binary.HEADER_NAME)
-            return json_response(v2.infer_response(name, body, logits))
+                return binary_response(*binary.infer_response(target, body, logits), binary.HEADER_NAME)
+            return json_response(v2.infer_response(target, body, logits))
 
-        return await self._measured("v2_infer", name, work)
+        return await self._measured("v2_infer", target, work, route)
 
-    async def infer_message(self, message: pb.ModelInferRequest) -> pb.ModelInferResponse:
-        """Open Inference Protocol inference over gRPC: decoded into the same v2 request, batched and measured the
-        same way. Never run on the event loop: requests waiting inside gRPC are not seen by `_alone`."""
+    async def infer_message(self, message: pb.ModelInferRequest, key: str | None = None) -> pb.ModelInferResponse:
+        """Open Inference Protocol inference over gRPC (`key`: the call's routing key): decoded into the same v2
+        request, batched and measured the same way. Never run on the event loop: requests waiting inside gRPC are not
+        seen by `_alone`."""
         name = message.model_name
+        target, route = self._routes.resolve(name, key)
 
         async def work(status: ModelStatus | None) -> pb.ModelInferResponse:
             self._check_version(name, message.model_version or None)
-            self._model(name)
+            self._model(target)
             size = message.ByteSize()  # Serve's gRPC proxy takes up to 2 GiB; the replica's own server, the limit
             if size > self.limits.max_body_bytes:
                 raise body_too_large(size, self.limits.max_body_bytes)
             body = tensors.to_request(message)
-            return tensors.to_response(name, body, await self._v2_logits(name, status, body, alone=False))
+            logits = await self._v2_logits(target, status, body, False, route)
+            return tensors.to_response(target, body, logits)
 
-        return await self._measured("grpc_infer", name, work)
+        return await self._measured("grpc_infer", target, work, route)
 
-    async def _v2_logits(self, name: str, status: ModelStatus | None, body: v2.InferRequest, alone: bool):
-        """A decoded v2 request's logits (B, C) from model `name`."""
+    async def _v2_logits(
+        self, name: str, status: ModelStatus | None, body: v2.InferRequest, alone: bool, route: RoutePlan | None
+    ):
+        """A decoded v2 request's logits (B, C) from model `name` (mirrored when its `route` says so)."""
         meta = _ready(name, status).metadata
         v2.requested_outputs(body)
         rows = v2.decode(body, meta, self.limits.max_rows)
-        return (await self._model(name).infer(rows.ids, rows.mask, alone)).logits
+        logits = (await self._model(name).infer(rows.ids, rows.mask, alone)).logits
+        self._mirror(route, name, rows.ids, rows.mask, logits)
+        return logits
 
     async def predict(self, request: Request, name: str) -> Response:
-        """Simple JSON inference, with the request's timing."""
+        """Simple JSON inference, of a model or a route (answered by one of its targets), with the request's
+        timing."""
+        target, route = self._routes.resolve(name, request.headers.get(ROUTE_KEY))
 
         async def work(status: ModelStatus | None) -> Response:
             start = time.perf_counter()
-            model = self._model(name)  # 404 before the body is read
+            model = self._model(target)  # 404 before the body is read
             body = await self._body(request, simple.PredictRequest)
-            status = _ready(name, status)
+            status = _ready(target, status)
             rows = simple.decode(body, status.metadata, self.limits.max_rows)
             result = await model.infer(rows.ids, rows.mask, self._alone())
+            self._mirror(route, target, rows.ids, rows.mask, result.logits)
             timing = {
                 "total_ms": (time.perf_counter() - start) * 1e3,
                 "queue_ms": result.queue_s * 1e3,
@@ -233,9 +265,12 @@ class Ingress:
             }
             return json_response(simple.predict_response(body, status.metadata, status.backend, result.logits, timing))
 
-        return await self._measured("v1_predict", name, work)
+        return await self._measured("v1_predict", target, work, route)
 
     async def attention(self, request: Request, name: str) -> Response:
+        if (route := self._routes.get(name)) is not None:
+            raise ModelNotFoundError(f"{name!r} is a route: attention maps are per model; its targets: {route.targets}")
+
         async def work(status: ModelStatus | None) -> Response:
             model = self._model(name)  # 404 before the body is read
             body = await self._body(request, attention_api.AttentionRequest)
@@ -260,12 +295,17 @@ class Ingress:
         return server is not None and self._in_flight <= 1 and server.requests_in_progress() <= 1
 
     async def _measured(
-        self, endpoint: str, name: str, work: Callable[[ModelStatus | None], Awaitable[AnswerT]]
+        self,
+        endpoint: str,
+        name: str,
+        work: Callable[[ModelStatus | None], Awaitable[AnswerT]],
+        route: RoutePlan | None = None,
     ) -> AnswerT:
         """The one place that records request metrics: runs one inference request's `work` with its model's status
-        (None for an unknown model), recording latency, status code, rejections and in-flight, and refusing it when
-        over limits.max_in_flight."""
+        (None for an unknown model), recording latency, status code, rejections, in-flight and the `route` it came
+        by, and refusing it when over limits.max_in_flight. A mirrored request's run gives way to it."""
         self._start_gauge_refresher()
+        self._shadows.preempt()
         start = time.perf_counter()
         status = await self._status(name) if name in self._models else None
         if status is None:
@@ -293,7 +333,39 @@ class Ingress:
         finally:
             self._in_flight -= 1
             elapsed = time.perf_counter() - start  # recorded once the answer is out (this task's send is next)
-            asyncio.get_running_loop().call_soon(self._metrics.finished, labels, endpoint, code, elapsed, rejected)
+            loop = asyncio.get_running_loop()
+            loop.call_soon(self._metrics.finished, labels, endpoint, code, elapsed, rejected)
+            if route is not None:
+                self._metrics.routed_request(route.name, labels, code)
+            if self._in_flight == 0:
+                loop.call_soon(self._shadows.idle)  # after the answer, too
+
+    # ---- shadow traffic (service/shadow.py) ----
+    def _mirror(self, route: RoutePlan | None, target: str, ids, mask, logits) -> None:
+        """Queue a copy of an answered request for its route's shadow, when the route mirrors this one."""
+        if route is not None and route.mirrors(target):
+            self._shadows.offer(Mirror(route.name, target, route.shadow, ids, mask, logits))
+
+    def _busy(self) -> bool:
+        """Whether a client's request is in progress here (including one whose head was read, not yet handled)."""
+        server = self._server
+        return self._in_flight > 0 or (server is not None and server.requests_in_progress() > 0)
+
+    def _preempt(self, shadow: str) -> None:
+        self._models[shadow].preempt()
+
+    async def _run_shadow(self, mirror: Mirror):
+        """The shadow's (n, C) logits for a mirrored request, on spare capacity (None: a client came first); raises
+        when the shadow cannot take the request (not ready, or beyond its max_len or vocabulary)."""
+        meta = _ready(mirror.shadow, await self._status(mirror.shadow)).metadata
+        if mirror.ids.shape[1] > meta.max_len or int(mirror.ids.max(initial=0)) >= meta.vocab_size:
+            raise BadRequestError(f"the request is beyond shadow model {mirror.shadow!r}'s max_len or vocabulary")
+        return await self._models[mirror.shadow].spare_infer(mirror.ids, mirror.mask)
+
+    def _record_shadow(self, mirror: Mirror, outcome: str, agreement: Agreement | None) -> None:
+        primary = self._labels.get(mirror.primary) or model_labels(None, "", mirror.primary)
+        shadow = self._labels.get(mirror.shadow) or model_labels(None, "", mirror.shadow)
+        self._metrics.shadowed(mirror.route, primary, shadow, outcome, agreement)
 
     def _start_gauge_refresher(self) -> None:
         if self._gauge_refresher is None:
@@ -326,14 +398,29 @@ class Ingress:
         version = package_version("mha-serving")
         return {"name": self._config.server_name, "version": version, "extensions": [EXTENSION]}
 
+    @property
+    def served_names(self) -> list[str]:
+        """What a request may name: every model, then every route."""
+        return [*self.model_names, *self._routes.names]
+
     async def model_metadata(self, name: str, version: str | None = None) -> dict[str, Any]:
+        """v2 metadata of a model; of a route, its heaviest target's under the route's name (targets take the same
+        inputs: they serve one task)."""
         self._check_version(name, version)
-        return v2.model_metadata(_ready(name, await self._status(name)).metadata)
+        route = self._routes.get(name)
+        target = route.heaviest if route is not None else name
+        return {**v2.model_metadata(_ready(target, await self._status(target)).metadata), "name": name}
 
     async def model_status(self, name: str, version: str | None = None) -> ModelStatus:
-        """A model's status, asked afresh; ModelNotFoundError for an unknown model or version."""
+        """A model's status, asked afresh (a route's: ready when each target is); ModelNotFoundError for an unknown
+        model or version."""
         self._check_version(name, version)
-        return await self._status(name, live=True)
+        route = self._routes.get(name)
+        if route is None:
+            return await self._status(name, live=True)
+        targets = await asyncio.gather(*(self._status(t, live=True) for t in route.targets))
+        waiting = {s.name: s.reason for s in targets if not s.ready}
+        return ModelStatus(name, not waiting, f"targets not ready: {waiting}" if waiting else "")
 
     async def model_is_ready(self, name: str, version: str | None = None) -> bool:
         return (await self.model_status(name, version)).ready
@@ -344,8 +431,12 @@ class Ingress:
             return json_response({"name": name, "ready": False, "error": status.reason}, 503)
         return json_response({"name": name, "ready": True})
 
-    async def list_models(self) -> list[dict[str, Any]]:
-        return [describe(s) for s in await asyncio.gather(*(self._status(n, live=True) for n in self._models))]
+    async def list_models(self) -> dict[str, list[dict[str, Any]]]:
+        """Every model with its head configuration, and every route with its targets and shadow."""
+        statuses = await asyncio.gather(*(self._status(n, live=True) for n in self._models))
+        ready = {s.name for s in statuses if s.ready}
+        routes = [r.describe(all(t in ready for t in r.targets)) for r in self._routes.plans.values()]
+        return {"models": [describe(s) for s in statuses], "routes": routes}
 
     # ---- gRPC through Serve's gRPC proxy: it calls the method named after the RPC (service/rpc/server.py) ----
     async def ServerLive(self, request: pb.ServerLiveRequest, grpc_context: RayServegRPCContext):
@@ -364,7 +455,8 @@ class Ingress:
         return await through_serve(grpc_context, self._rpc.ModelMetadata(request), pb.ModelMetadataResponse)
 
     async def ModelInfer(self, request: pb.ModelInferRequest, grpc_context: RayServegRPCContext):
-        return await through_serve(grpc_context, self._rpc.ModelInfer(request), pb.ModelInferResponse)
+        metadata = grpc_context.invocation_metadata() or ()
+        return await through_serve(grpc_context, self._rpc.ModelInfer(request, metadata), pb.ModelInferResponse)
 
     async def Check(self, request: health_pb2.HealthCheckRequest, grpc_context: RayServegRPCContext):
         return await through_serve(grpc_context, self._rpc.Check(request), health_pb2.HealthCheckResponse)

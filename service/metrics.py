@@ -9,6 +9,7 @@ from __future__ import annotations
 from ray.serve.metrics import Counter, Gauge, Histogram
 
 from contract.metadata import ModelMetadata
+from service.shadow import Agreement
 
 MODEL_LABELS = ("model", "heads", "head_dim", "d_model", "precision", "backend")
 UNKNOWN_MODEL = "_unknown"  # label for requests naming no served model: keeps label cardinality bounded
@@ -24,6 +25,12 @@ LATENCY_BUCKETS_S = [
 ]  # fmt: skip
 BATCH_SIZE_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256]  # rows per ORT run (max_batch_size defaults to 32)
 TOKEN_BUCKETS = [16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536]  # padded B * T per run
+
+
+# A route's shadow metrics: the route, the model that answered and the shadow, each with its head count.
+SHADOW_LABELS = ("route", "primary", "primary_heads", "shadow", "shadow_heads")
+# Absolute logit differences: near 0 for a faithful variant (int8: ~1e-2), order 1 and above for a different model.
+LOGIT_DIFF_BUCKETS = [1e-4, 1e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0]
 
 
 def model_labels(meta: ModelMetadata | None, backend: str, name: str = UNKNOWN_MODEL) -> dict[str, str]:
@@ -76,12 +83,38 @@ class IngressMetrics:
             description="1 per served model, its full configuration as labels.",
             tag_keys=(*MODEL_LABELS, "layers", "vocab_size", "max_len", "num_classes", "ff_dim", "tokenizer", "task"),
         )
+        self.routed = Counter(
+            "mha_route_requests_total",
+            description="Requests to a route by the target model that answered and HTTP status.",
+            tag_keys=("route", *MODEL_LABELS, "code"),
+        )
+        self.mirrored = Counter(
+            "mha_shadow_requests_total",
+            description="A route's requests mirrored to its shadow model, by outcome: compared, dropped (no spare "
+            "capacity), preempted (a client's request came first), failed.",
+            tag_keys=(*SHADOW_LABELS, "outcome"),
+        )
+        self.shadow_rows = Counter(
+            "mha_shadow_rows_total",
+            description="Rows compared between the answering model and the shadow model; agreed: whether the shadow "
+            "predicted the same label (true) or not (false).",
+            tag_keys=(*SHADOW_LABELS, "agreed"),
+        )
+        self.logit_diff = Histogram(
+            "mha_shadow_max_abs_logit_diff",
+            description="The largest absolute logit difference between answer and shadow, per compared request.",
+            boundaries=LOGIT_DIFF_BUCKETS,
+            tag_keys=SHADOW_LABELS,
+        )
         self._in_flight: dict[tuple[str, ...], int] = {}
         self._info: list[dict[str, str]] = []
         # Counts since the last `refresh`, added to the counters there: a Ray counter increment per request cost
         # ~3 % of the ingress's CPU at c=32 (py-spy); Ray exports every few seconds anyway.
         self._requests: dict[tuple[tuple[str, ...], str, int], int] = {}
         self._rejected: dict[tuple[str, ...], int] = {}
+        self._routed: dict[tuple[str, tuple[str, ...], int], int] = {}
+        self._mirrored: dict[tuple[tuple[str, ...], str], int] = {}
+        self._compared: dict[tuple[str, ...], list[int]] = {}  # shadow key -> [rows, agreeing rows]
 
     def model_info(self, meta: ModelMetadata, backend: str) -> None:
         extra = {k: str(getattr(meta, k)) for k in ("layers", "vocab_size", "max_len", "num_classes", "ff_dim")}
@@ -102,6 +135,18 @@ class IngressMetrics:
         rejected, self._rejected = self._rejected, {}
         for key, count in rejected.items():
             self.rejected.inc(count, tags=_labels_of(key))
+        routed, self._routed = self._routed, {}
+        for (route, key, code), count in routed.items():
+            self.routed.inc(count, tags={"route": route, **_labels_of(key), "code": str(code)})
+        mirrored, self._mirrored = self._mirrored, {}
+        for (key, outcome), count in mirrored.items():
+            self.mirrored.inc(count, tags={**dict(zip(SHADOW_LABELS, key, strict=True)), "outcome": outcome})
+        compared, self._compared = self._compared, {}
+        for key, (rows, agreeing) in compared.items():
+            tags = dict(zip(SHADOW_LABELS, key, strict=True))
+            for agreed, count in (("true", agreeing), ("false", rows - agreeing)):
+                if count:  # a Ray counter takes only increments > 0
+                    self.shadow_rows.inc(count, tags={**tags, "agreed": agreed})
 
     def started(self, labels: dict[str, str]) -> None:
         """Counted here, exported by `refresh` (a gauge set per request cost ~5 % of the ingress's CPU)."""
@@ -118,6 +163,24 @@ class IngressMetrics:
         if rejected:
             self._rejected[key] = self._rejected.get(key, 0) + 1
         self.latency.observe(seconds, tags={**labels, "endpoint": endpoint})
+
+    def routed_request(self, route: str, labels: dict[str, str], code: int) -> None:
+        """One request to `route`, answered by the model of `labels` with `code`."""
+        counted = (route, tuple(labels.values()), code)
+        self._routed[counted] = self._routed.get(counted, 0) + 1
+
+    def shadowed(
+        self, route: str, primary: dict[str, str], shadow: dict[str, str], outcome: str, agreement: Agreement | None
+    ) -> None:
+        """One mirrored request's outcome, and for a compared one its rows, agreeing rows and largest difference."""
+        key = (route, primary["model"], primary["heads"], shadow["model"], shadow["heads"])
+        self._mirrored[(key, outcome)] = self._mirrored.get((key, outcome), 0) + 1
+        if agreement is not None:
+            counts = self._compared.setdefault(key, [0, 0])
+            counts[0] += agreement.rows
+            counts[1] += agreement.agreeing
+            tags = dict(zip(SHADOW_LABELS, key, strict=True))
+            self.logit_diff.observe(agreement.max_abs_diff, tags=tags)
 
 
 class ReplicaMetrics:

@@ -32,6 +32,12 @@ class ModelPlacement(Protocol):
         """(n, T) ids and mask -> the request's result; `alone`: nothing else is in progress in the caller's
         process (a co-located model may then run it on the event loop)."""
 
+    async def spare_infer(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray | None:
+        """A mirrored request's (n, C) logits, run only while the model has no work; None if it had or got some."""
+
+    def preempt(self) -> None:
+        """Stop a mirrored request's run in progress (this process's engines only)."""
+
     async def attention(self, ids: np.ndarray) -> AttentionResult: ...
 
 
@@ -49,6 +55,12 @@ class Colocated:
 
     async def infer(self, ids: np.ndarray, mask: np.ndarray, alone: bool = False) -> BatchResult:
         return await self._engine.infer(ids, mask, alone)
+
+    async def spare_infer(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray | None:
+        return await self._engine.spare_infer(ids, mask)
+
+    def preempt(self) -> None:
+        self._engine.preempt()
 
     async def attention(self, ids: np.ndarray) -> AttentionResult:
         return await self._engine.attention(ids)
@@ -86,6 +98,18 @@ class Remote:
             raise ModelQueueFullError(self.name) from exc
         except RayActorError as exc:
             raise ReplicaLostError(self.name) from exc
+
+    async def spare_infer(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray | None:
+        """Its replica runs it only while it has no work of its own, and stops it when some comes."""
+        try:
+            return await self._handle.spare_infer.remote(ids, mask)
+        except BackPressureError:  # its replica is full: no spare capacity
+            return None
+        except RayActorError as exc:
+            raise ReplicaLostError(self.name) from exc
+
+    def preempt(self) -> None:
+        """Nothing to do here: its replica stops a mirrored run when work of its own arrives."""
 
     async def attention(self, ids: np.ndarray) -> AttentionResult:
         try:

@@ -87,9 +87,9 @@ class Runtime:
     reason: str  # why this backend
     threads: int
 
-    def run(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
-        """(B, T) int64 ids and mask -> (B, C) float32 logits."""
-        (logits,) = self.session.run([LOGITS], {INPUT_IDS: ids, ATTENTION_MASK: mask})
+    def run(self, ids: np.ndarray, mask: np.ndarray, options: ort.RunOptions | None = None) -> np.ndarray:
+        """(B, T) int64 ids and mask -> (B, C) float32 logits; `options.terminate` stops the run between nodes."""
+        (logits,) = self.session.run([LOGITS], {INPUT_IDS: ids, ATTENTION_MASK: mask}, options)
         return logits
 
 

@@ -175,6 +175,13 @@ def v2_tensor(name: str, data, datatype: str = "INT64", shape=None) -> dict:
 def serve_command(args: list[str], log: Path, ready_s: float = 180) -> Iterator[str]:
     """`mha-serving serve ARGS` started as a user starts it (its output in `log`); yields its start-up summary once
     it is ready, then stops it with SIGTERM and checks that it exits cleanly."""
+    with serve_process(args, log, ready_s) as (_, text):
+        yield text
+
+
+@contextlib.contextmanager
+def serve_process(args: list[str], log: Path, ready_s: float = 180) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`serve_command`, yielding the process too (to signal it)."""
     cmd = [sys.executable, "-m", "service.cli", "serve", *args]
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -184,8 +191,37 @@ def serve_command(args: list[str], log: Path, ready_s: float = 180) -> Iterator[
             assert proc.poll() is None, log.read_text()
             assert time.monotonic() < deadline, f"not ready after {ready_s:.0f} s:\n" + log.read_text()
             time.sleep(0.5)
-        yield log.read_text()
+        yield proc, log.read_text()
     finally:
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=90)
     assert code == 0, log.read_text()
+
+
+def descendants_named(root: int, marker: str) -> list[int]:
+    """Pids of `root`'s descendant processes whose command line contains `marker` (e.g. a Serve replica's title)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:  # gone meanwhile
+                continue
+            parents[int(entry.name)] = int(fields[1])
+
+    def under(pid: int) -> bool:
+        while pid > 1:
+            pid = parents.get(pid, 0)
+            if pid == root:
+                return True
+        return False
+
+    found = []
+    for pid in parents:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmdline and under(pid):
+            found.append(pid)
+    return found

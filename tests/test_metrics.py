@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 import yaml
 from prometheus import PROMETHEUS_YML, PrometheusServer
@@ -31,6 +32,10 @@ APP = "metrics"
 SEQUENTIAL = {"mha-h2-d32": 13, "mha-h4-d32": 7}  # requests sent one at a time (all succeed)
 BURST = 12  # concurrent requests at the slow, tiny-queue mha-h4-d32 deployment: some are rejected (503)
 GONE = 5  # requests to mha-h4-d32 whose client closes the connection before the answer: counted as 499, not 500
+ROUTE = "pair"  # every request answered by mha-h2-d32 and mirrored to mha-h4-d32
+ROUTES = {ROUTE: {"targets": {"mha-h2-d32": 1}, "shadow": {"model": "mha-h4-d32", "fraction": 1.0}}}
+MIRRORED = 10  # route requests of MIRRORED_ROWS texts each, sent apart: each shadow run finds the ingress idle
+MIRRORED_ROWS = 4
 
 
 def promtool() -> str:
@@ -78,7 +83,8 @@ def metrics_app(request, serve_port, tiny_models_dir):
     slow_and_small = {"num_cpus": 0.1, "max_ongoing_requests": 1, "max_queued_requests": 1, "batch_wait_timeout_s": 0.3}
     slow_and_small["placement"] = request.param
     app = f"{APP}-{request.param}"
-    return deploy(serve_port, app, tiny_models_dir, placement=request.param, overrides={"mha-h4-d32": slow_and_small})
+    overrides = {"mha-h4-d32": slow_and_small}
+    return deploy(serve_port, app, tiny_models_dir, placement=request.param, overrides=overrides, routes=ROUTES)
 
 
 def send_sequential(base_url: str, sent: Counter) -> None:
@@ -116,8 +122,30 @@ def send_and_leave(base_url: str, sent: Counter) -> None:
         sent[("mha-h4-d32", "499")] += 1
 
 
+def send_mirrored(base_url: str) -> tuple[int, list[float]]:
+    """MIRRORED route requests, then the same texts to the shadow model itself -> the rows whose predicted label
+    agreed and each request's largest absolute logit difference, computed here from both answers."""
+    agreeing, diffs = 0, []
+    with httpx.Client(base_url=base_url, timeout=60) as client:
+        batches = [[f"mirrored {i}.{j}" for j in range(MIRRORED_ROWS)] for i in range(MIRRORED)]
+        answered = []
+        for texts in batches:
+            r = client.post(f"/v1/models/{ROUTE}/predict", json={"texts": texts})
+            assert r.status_code == 200 and r.json()["model"] == "mha-h2-d32", r.text
+            answered.append(np.array(r.json()["logits"]))  # (MIRRORED_ROWS, C)
+            time.sleep(0.2)  # the ingress is idle: the shadow runs now
+        for texts, logits in zip(batches, answered, strict=True):
+            r = client.post("/v1/models/mha-h4-d32/predict", json={"texts": texts})
+            shadow = np.array(r.json()["logits"])  # (MIRRORED_ROWS, C)
+            agreeing += int((logits.argmax(axis=1) == shadow.argmax(axis=1)).sum())
+            diffs.append(float(np.abs(logits - shadow).max()))
+    return agreeing, diffs
+
+
 @pytest.mark.serve
-def test_prometheus_sees_latency_percentiles_and_exact_counts_per_head_configuration(metrics_app, metrics_port):
+def test_prometheus_sees_latency_percentiles_exact_counts_and_shadow_agreement_per_head_configuration(
+    metrics_app, metrics_port
+):
     selector = f'application="{metrics_app.name}"'
     with PrometheusServer(f"127.0.0.1:{metrics_port}") as prom:  # scraping before, during and after the traffic
 
@@ -156,6 +184,29 @@ def test_prometheus_sees_latency_percentiles_and_exact_counts_per_head_configura
         )
         rows = {r["metric"]["model"]: float(r["value"][1]) for r in batches}
         assert 0 < rows["mha-h2-d32"] <= sent[("mha-h2-d32", "200")], rows  # batches never outnumber requests
+
+        # A route mirrored to a shadow: the agreement counted in the service is the agreement of the two answers.
+        agreeing, diffs = send_mirrored(metrics_app.base_url)
+        shadow = 'route="pair", primary="mha-h2-d32", primary_heads="2", shadow="mha-h4-d32", shadow_heads="4"'
+        outcomes = prom.wait_for(
+            f"sum by (outcome) (ray_mha_shadow_requests_total{{{selector}, {shadow}}})",
+            lambda res: sum(float(r["value"][1]) for r in res) >= MIRRORED,
+            timeout_s=60,
+        )
+        assert {r["metric"]["outcome"]: float(r["value"][1]) for r in outcomes} == {"compared": MIRRORED}
+
+        def total(query: str) -> float:
+            return sum(float(r["value"][1]) for r in prom.query(query))
+
+        assert total(f"ray_mha_shadow_rows_total{{{selector}, {shadow}}}") == MIRRORED * MIRRORED_ROWS
+        assert total(f'ray_mha_shadow_rows_total{{{selector}, {shadow}, agreed="true"}}') == agreeing
+        buckets = prom.query(f"sum by (le) (ray_mha_shadow_max_abs_logit_diff_bucket{{{selector}, {shadow}}})")
+        seen = {float(r["metric"]["le"]): float(r["value"][1]) for r in buckets}  # Ray's _sum is from bucket midpoints
+        assert seen == {le: sum(d <= le for d in diffs) for le in [*metrics.LOGIT_DIFF_BUCKETS, float("inf")]}
+        routed = prom.query(f"sum by (model, heads, code) (ray_mha_route_requests_total{{{selector}}})")
+        assert [
+            (r["metric"]["model"], r["metric"]["heads"], r["metric"]["code"], float(r["value"][1])) for r in routed
+        ] == [("mha-h2-d32", "2", "200", MIRRORED)]
 
         info = prom.query(f"ray_mha_model_info{{{selector}}}")
         assert {(r["metric"]["model"], r["metric"]["head_dim"], r["metric"]["backend"]) for r in info} == {

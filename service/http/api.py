@@ -185,7 +185,7 @@ def _v1_routes(app: FastAPI, ingress: Ingress) -> None:
 
     @app.get("/v1/models", responses=openapi.responses(simple.ModelList))
     async def list_models() -> Response:
-        return json_response({"models": await ingress.list_models()})
+        return json_response(await ingress.list_models())
 
     @app.post(
         "/v1/models/{name}/attention",
@@ -219,7 +219,7 @@ async def served_document(app: FastAPI, ingress: Ingress) -> dict[str, Any]:
     if app.openapi_schema is None:
         statuses = [await ingress.model_status(name) for name in ingress.model_names]
         loaded = [s.metadata for s in statuses if s.ready and s.metadata is not None]
-        built = document(app, ingress.model_names, Bounds.of(ingress.limits.max_rows, loaded))
+        built = document(app, ingress.served_names, Bounds.of(ingress.limits.max_rows, loaded))
         if len(loaded) < len(statuses):
             return built
         app.openapi_schema = built

@@ -1,6 +1,7 @@
 """`mha-serving serve`: an embedded local Ray, Serve on host:port, the application from `build_app`, then block.
 
-Ctrl-C or SIGTERM shuts Serve and Ray down. Errors a user can fix are one line on stderr and exit code 2. No torch.
+Ctrl-C or SIGTERM shuts Serve and Ray down; SIGHUP reads the config again and applies its routes in place. Errors a
+user can fix are one line on stderr and exit code 2. No torch.
 """
 
 from __future__ import annotations
@@ -9,19 +10,20 @@ import argparse
 import os
 import signal
 import sys
-import time
+import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import yaml
 from pydantic import ValidationError
 
-from service.config import AppConfig
+from service.config import INGRESS_NAME, AppConfig
 from service.errors import ModelFileError
 from service.local import ports
 from service.local.drain import drain, stop_ray
 from service.local.ray_env import set_ray_env
 from service.model_store import find_models
+from service.routes import RouteConfigError, RouteTable
 from service.rpc.server import SERVE_SERVICERS
 
 APP_NAME = "mha"
@@ -72,8 +74,12 @@ def load_config(args: argparse.Namespace) -> AppConfig:
             raw = yaml.safe_load(args.config.read_text()) or {}
         except (OSError, yaml.YAMLError) as exc:
             raise LaunchError(f"cannot read config {args.config}: {exc}") from exc
-        if "applications" in raw:  # a Serve config file: take the first application's args
-            raw = (raw["applications"] or [{}])[0].get("args") or {}
+        if "applications" in raw:  # a Serve config file: the first application's args, and the ingress's routes
+            app = (raw["applications"] or [{}])[0]
+            raw = dict(app.get("args") or {})
+            for deployment in app.get("deployments") or []:
+                if deployment.get("name") == INGRESS_NAME and "routes" in (deployment.get("user_config") or {}):
+                    raw["routes"] = deployment["user_config"]["routes"]
     if args.models is not None:
         raw["models_dir"] = args.models
     if args.backend is not None:
@@ -107,6 +113,7 @@ def local_config(config: AppConfig, opts: LocalServe) -> AppConfig:
     through Serve's proxies); LaunchError if the config then does not hold (more than one ingress replica on a port,
     say)."""
     raw = config.model_dump(exclude_unset=True)
+    raw["models_dir"] = str(Path(config.models_dir).resolve())  # Serve builds the application in another process
     ingress = {**raw.get("ingress", {}), "host": opts.host, "grpc_port": None}
     if opts.direct:
         ingress.update(port=opts.port, grpc_port=opts.grpc_port, access_log=opts.access_log)
@@ -124,6 +131,16 @@ def _validated(raw: dict) -> AppConfig:
         raise LaunchError(f"invalid config: {where + ': ' if where else ''}{message}") from exc
 
 
+def checked(config: AppConfig) -> list[str]:
+    """The models `config` serves; LaunchError if one of its routes cannot be served by them."""
+    names = find_models(config.models_dir, config.models)
+    try:
+        RouteTable.build(config.routes, names)
+    except RouteConfigError as exc:
+        raise LaunchError(f"invalid config: {exc}") from exc
+    return names
+
+
 def start_local(config: AppConfig, opts: LocalServe) -> None:
     """Start an embedded Ray and Serve, and deploy `build_app(config)`; returns once every replica is up."""
     proxied_grpc = not opts.direct and opts.grpc_port is not None
@@ -131,9 +148,7 @@ def start_local(config: AppConfig, opts: LocalServe) -> None:
     import ray
     from ray import serve
 
-    from service.app import build_app
-
-    names = find_models(config.models_dir, config.models)
+    names = checked(config)
     num_cpus = opts.num_cpus or max(float(os.cpu_count() or 1), cpus_needed(config, names))
     print(f"mha-serving: starting Ray ({num_cpus:g} logical CPUs) and Serve with {len(names)} model(s)...", flush=True)
     # `_metrics_export_port` is ray.init's documented way to pin the port of the local Prometheus export.
@@ -152,8 +167,46 @@ def start_local(config: AppConfig, opts: LocalServe) -> None:
     else:
         grpc = {"port": opts.grpc_port, "grpc_servicer_functions": SERVE_SERVICERS} if proxied_grpc else None
         serve.start(http_options={"host": opts.host, "port": opts.port}, grpc_options=grpc)
-    logging = {"enable_access_log": opts.access_log, "log_level": "INFO" if opts.access_log else "WARNING"}
-    serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False, logging_config=logging)
+    from service.local import serve_deploy  # imports Ray: after set_ray_env
+
+    serve_deploy.deploy(APP_NAME, config, serve_logging(opts))
+    serve_deploy.wait_running(APP_NAME)
+
+
+def serve_logging(opts: LocalServe) -> dict:
+    return {"enable_access_log": opts.access_log, "log_level": "INFO" if opts.access_log else "WARNING"}
+
+
+def reload(args: argparse.Namespace, opts: LocalServe, running: AppConfig) -> AppConfig:
+    """SIGHUP: the config read again and its routes applied in place (Serve reconfigures the ingress; requests in
+    progress keep their target). A config that does not hold changes nothing; other changes need a restart."""
+    try:
+        new = local_config(load_config(args), opts)
+        checked(new)
+    except (LaunchError, ModelFileError) as exc:
+        print(f"mha-serving serve: reload refused, still serving the previous config: {exc}", file=sys.stderr)
+        return running
+    others = [k for k in AppConfig.model_fields if k != "routes" and getattr(new, k) != getattr(running, k)]
+    if others:
+        print(
+            f"mha-serving serve: only routes change on reload; restart to apply the changes to {', '.join(others)}",
+            file=sys.stderr,
+        )
+    if new.routes == running.routes:
+        print("mha-serving: reload: the routes are unchanged", file=sys.stderr, flush=True)
+        return running
+    updated = running.model_copy(update={"routes": new.routes})
+    from service.local import serve_deploy
+
+    serve_deploy.deploy(APP_NAME, updated, serve_logging(opts))
+    print(f"mha-serving: reload: routes {describe_routes(updated)}", file=sys.stderr, flush=True)
+    return updated
+
+
+def describe_routes(config: AppConfig) -> str:
+    if not config.routes:
+        return "none"
+    return "; ".join(f"{name} -> {route.model_dump(exclude_none=True)}" for name, route in config.routes.items())
 
 
 def report(args: argparse.Namespace) -> None:
@@ -195,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = replace(opts, dashboard=args.dashboard, access_log=args.access_log, grpc_port=args.grpc_port or None)
     try:
         config = local_config(load_config(args), opts)
-        find_models(config.models_dir, config.models)
+        checked(config)
         ports.check_port(args.host, args.port, "HTTP", "--port")
         if args.grpc_port:  # Serve's gRPC proxy binds every interface
             grpc_host = ports.EVERYWHERE if args.proxy else args.host
@@ -207,8 +260,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         start_local(config, opts)
         report(args)
+        hangup = threading.Event()
+        signal.signal(signal.SIGHUP, lambda *_: hangup.set())
         while True:
-            time.sleep(3600)
+            if hangup.wait(1.0):
+                hangup.clear()
+                config = reload(args, opts, config)
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM, maybe while still starting: the ingress may already be serving
         if ray_started():
             print(f"\nmha-serving: draining (up to {config.limits.drain_s:g} s)...", file=sys.stderr, flush=True)

@@ -99,10 +99,25 @@ class ModelInfo(BaseModel):
     error: str | None = None
 
 
+class ShadowInfo(BaseModel):
+    model: str
+    fraction: float
+
+
+class RouteInfo(BaseModel):
+    """A route: served like a model, each request answered by one of its targets (weights), some mirrored."""
+
+    name: str
+    targets: dict[str, float]
+    shadow: ShadowInfo | None = None
+    ready: bool
+
+
 class ModelList(BaseModel):
-    """Every configured model, ready or not."""
+    """Every configured model, ready or not, and every route."""
 
     models: list[ModelInfo]
+    routes: list[RouteInfo] = []
 
 
 def decode(request: PredictRequest, meta: ModelMetadata, max_rows: int) -> Rows:

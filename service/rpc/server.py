@@ -18,6 +18,7 @@ from contract.rpc import inference_pb2 as pb
 from contract.rpc import inference_pb2_grpc as pb_grpc
 from service.config import RequestLimits
 from service.errors import OverCapacityError, ServiceError
+from service.routes import ROUTE_KEY
 from service.rpc.tensors import model_metadata
 
 if TYPE_CHECKING:
@@ -55,6 +56,14 @@ class NotServedError(ServiceError):
     status = 501
 
 
+def route_key(metadata) -> str | None:
+    """A call's routing key (service/routes.py ROUTE_KEY) from its invocation metadata (key, value) pairs."""
+    for key, value in metadata:
+        if key == ROUTE_KEY:
+            return value if isinstance(value, str) else None
+    return None
+
+
 def status_of(exc: ServiceError) -> grpc.StatusCode:
     if isinstance(exc, OverCapacityError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -82,8 +91,9 @@ class Answers:
     async def ModelMetadata(self, request: pb.ModelMetadataRequest) -> pb.ModelMetadataResponse:
         return model_metadata(await self._ingress.model_metadata(request.name, request.version or None))
 
-    async def ModelInfer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
-        return await self._ingress.infer_message(request)
+    async def ModelInfer(self, request: pb.ModelInferRequest, metadata=()) -> pb.ModelInferResponse:
+        """`metadata`: the call's invocation metadata (its routing key, for a route)."""
+        return await self._ingress.infer_message(request, route_key(metadata))
 
     async def Check(self, request: health_pb2.HealthCheckRequest) -> health_pb2.HealthCheckResponse:
         """SERVING once every model is ready, NOT_SERVING while loading and once draining."""
@@ -151,7 +161,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return await aborting(context, self._answers.ModelMetadata(request))
 
     async def ModelInfer(self, request, context) -> pb.ModelInferResponse:
-        return await aborting(context, self._answers.ModelInfer(request))
+        return await aborting(context, self._answers.ModelInfer(request, context.invocation_metadata() or ()))
 
 
 class HealthServicer(health_pb2_grpc.HealthServicer):
