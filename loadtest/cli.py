@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from contract.binary_tensors import EXTENSION
-from loadtest import server_metrics
+from loadtest import routes, server_metrics
 from loadtest.compare import run_compare
 from loadtest.discovery import (
     DiscoveryError,
@@ -179,15 +179,16 @@ def _plots(outcome: Outcome, out: Path) -> list[str]:
 
 
 def _discover(args: argparse.Namespace, plan: Plan, outcome: Outcome) -> list[ModelInfo]:
-    """The selected models, each ready (waiting up to --ready-timeout); models that never get ready are failures.
-    DiscoveryError when the service cannot take a protocol asked for."""
+    """The selected models and routes, each ready (waiting up to --ready-timeout); those that never get ready are
+    failures. DiscoveryError when the service cannot take a protocol asked for."""
     base_url = plan.base_url
     with httpx.Client(timeout=10.0, trust_env=False) as client:
-        models = select_models(discover(client, base_url), args.models)
-        waiting = [m.name for m in models if not m.ready]
-        late = [n for n in waiting if not wait_ready(client, base_url, n, args.ready_timeout)]
-        if waiting:
-            listed = {m.name: m for m in discover(client, base_url)}
+        listing = discover(client, base_url)
+        models = select_models(list(listing.models), args.models, listing.routes)
+        waiting = [m for m in models if not m.ready]
+        late = [m.name for m in waiting if not wait_ready(client, base_url, m, args.ready_timeout)]
+        if waiting or any(m.route for m in models):  # a route's configuration is its targets': read once they are up
+            listed = discover(client, base_url).by_name()
             models = [listed.get(m.name, m) for m in models]
         if "v2-binary" in plan.protocols:
             check_extension(client, base_url, EXTENSION, "--protocol v2-binary")
@@ -197,7 +198,9 @@ def _discover(args: argparse.Namespace, plan: Plan, outcome: Outcome) -> list[Mo
             "gRPC address (mha-serving serve --grpc-port)"
         )
     outcome.failures += [f"{n}: not ready after {args.ready_timeout:g} s; skipped" for n in late]
-    ready = [m for m in models if m.name not in late and m.heads > 0]
+    unknown = [m.name for m in models if m.route and m.name not in late and not m.measurable]
+    outcome.failures += [f"{n}: none of its targets is listed with a configuration; skipped" for n in unknown]
+    ready = [m for m in models if m.name not in late and m.measurable]
     if not ready:
         raise DiscoveryError("none of the selected models is ready: " + "; ".join(outcome.failures))
     return ready
@@ -270,6 +273,9 @@ def _compare(args: argparse.Namespace) -> int:
 
 def _exit_status(out: Path, meta: dict, outcome: Outcome) -> int:
     status = _finish(out, meta, outcome, "")
+    for r in outcome.results:  # a route's share per target is the point of measuring it: said even with --quiet
+        if r.is_route:
+            print(f"{r.model} {r.protocol} {r.level}: {routes.summary(r)}")
     print(f"report: {out / 'report.md'} ({status}: {meta['measured']})")
     if status == "interrupted":
         return _fail(f"interrupted; wrote what was measured so far to {out}", 130)

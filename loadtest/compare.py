@@ -1,4 +1,5 @@
-"""Two reports side by side (A = before, B = after): each model, protocol and level found in both, with ratios B / A."""
+"""Two reports side by side (A = before, B = after): each model, protocol and level found in both, with ratios B / A
+(and a route's shadow agreement, where either report has one)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from loadtest.report import load_report
 from loadtest.stats import LevelResult
 
 METRICS = ("p50", "p99", "throughput_rps")
+ROUTE_METRICS = ("agreement",)  # only where A or B measured one (reports from before routes have none)
 
 
 @dataclass(frozen=True)
@@ -18,7 +20,7 @@ class Comparison:
     """One (model, protocol, level) in both reports: each metric's values in A and B and the ratio B / A."""
 
     model: str
-    heads: int
+    heads: int | str  # a route's: its targets', e.g. "8|4"
     precision: str
     protocol: str
     level: str
@@ -26,6 +28,8 @@ class Comparison:
 
 
 def _value(r: LevelResult, metric: str) -> float:
+    if metric == "agreement":
+        return r.agreement_rate
     return r.throughput_rps if metric == "throughput_rps" else r.latency_ms.get(metric, math.nan)
 
 
@@ -46,9 +50,10 @@ def compare(a: list[LevelResult], b: list[LevelResult]) -> tuple[list[Comparison
         if rb is None:
             continue
         values = {}
-        for metric in METRICS:
+        for metric in METRICS + ROUTE_METRICS:
             va, vb = _value(ra, metric), _value(rb, metric)
-            values[metric] = (va, vb, ratio(va, vb))
+            if metric in METRICS or not (math.isnan(va) and math.isnan(vb)):
+                values[metric] = (va, vb, ratio(va, vb))
         rows.append(Comparison(ra.model, ra.heads, ra.precision, ra.protocol, ra.level, values))
     only = [f"only in A: {' '.join(key)}" for key in keys_a - index_b.keys()]
     only += [f"only in B: {' '.join(key)}" for key in index_b.keys() - keys_a]
@@ -59,18 +64,25 @@ def _fmt(x: float, digits: int = 2) -> str:
     return "-" if math.isnan(x) else f"{x:.{digits}f}"
 
 
+_NAMES = {"throughput_rps": "req/s", "agreement": "agreement %"}
+_SCALE = {"agreement": 100.0}  # a rate, shown in percent
+
+
 def markdown(rows: list[Comparison], only: list[str], label_a: str, label_b: str) -> str:
     lines = ["# Load test comparison", "", f"- A: {label_a}", f"- B: {label_b}", "- ratio: B / A", ""]
+    metrics = [*METRICS, *(m for m in ROUTE_METRICS if any(m in row.values for row in rows))]
     headers = ["model", "h", "precision", "protocol", "level"]
-    for metric in METRICS:
-        name = "req/s" if metric == "throughput_rps" else f"{metric} ms"
+    for metric in metrics:
+        name = _NAMES.get(metric, f"{metric} ms")
         headers += [f"A {name}", f"B {name}", f"{metric} B/A"]
     lines += ["| " + " | ".join(headers) + " |", "|" + " --- |" * len(headers)]
     for row in rows:
         cells = [row.model, str(row.heads), row.precision, row.protocol, row.level]
-        for metric in METRICS:
-            a, b, r = row.values[metric]
-            cells += [_fmt(a, 1), _fmt(b, 1), _fmt(r)]
+        cells = [c.replace("|", "\\|") for c in cells]  # a route's "8|4" is one cell
+        for metric in metrics:
+            a, b, r = row.values.get(metric, (math.nan, math.nan, math.nan))
+            scale = _SCALE.get(metric, 1.0)
+            cells += [_fmt(a * scale, 1), _fmt(b * scale, 1), _fmt(r)]
         lines.append("| " + " | ".join(cells) + " |")
     if not rows:
         lines.append("\nNo model, protocol and level is in both reports.")

@@ -1,7 +1,7 @@
 """The report's PNG plots (matplotlib, Agg): latency versus h, throughput versus concurrency, latency-throughput.
 
 Models of the same h at different precisions (an fp32 model and its int8 variant) are separate lines throughout, and
-so is each protocol of a run that measured several.
+so is each protocol of a run that measured several. A route is a line of its own except against h (it has no one h).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def _told_apart(results: list[LevelResult], with_h: bool = True) -> str:
 def latency_vs_heads(results: list[LevelResult], path: Path) -> bool:
     """One panel per load level: p50/p90/p99 against the number of heads, a line per percentile and precision (and
     protocol, when there are several)."""
-    measured = _measured(results)
+    measured = [r for r in _measured(results) if not r.is_route]
     levels = list(dict.fromkeys(r.level for r in measured))
     lines = kinds(measured)
     with_protocol = _several_protocols(measured)

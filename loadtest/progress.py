@@ -7,6 +7,7 @@ import sys
 import time
 from typing import TextIO
 
+from loadtest import routes
 from loadtest.runner import Recorder
 from loadtest.stats import LevelResult, percentile
 
@@ -57,6 +58,8 @@ class Progress:
         text = (
             f"{label}: {result.ok} ok, {failed} errors, {result.throughput_rps:.1f} req/s, {p50} ({result.stopped_by})"
         )
+        if result.is_route:
+            text += f"; {routes.summary(result)}"
         self.stream.write(("\r\033[K" if self.tty else "") + text + "\n")
         self.stream.flush()
 

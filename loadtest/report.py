@@ -1,4 +1,7 @@
-"""Writing and reading a run's report: report.json (everything), report.csv (one row per level), report.md (tables)."""
+"""Writing and reading a run's report: report.json (everything), report.csv (one row per level), report.md (tables).
+
+A route's level also has its share per target beside the configured weights and, with a shadow, the agreement.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ import json
 import math
 from pathlib import Path
 
+from loadtest.agreement import OUTCOMES
 from loadtest.stats import LevelResult
 from loadtest.workload import DEFAULT_PROTOCOL
 
@@ -22,7 +26,14 @@ CSV_COLUMNS = (
     + [f"{k}_ms" for k in LATENCY_KEYS]
     + ["send_lag_p99_ms", "client_cpu_pct", "stopped_by"]
     + [f"server_{k}" + ("" if k == "count" else "_ms") for k in SERVER_KEYS]
+    # a route's (empty for a model): weights as configured, answers and their share per model ("model:n;model:n")
+    + ["route_weights", "answered_by", "shares"]
+    # a route's shadow (n/a where the service exports no agreement)
+    + ["shadow_model"]
+    + [f"shadow_{o}" for o in OUTCOMES]
+    + ["shadow_rows", "shadow_agreeing_rows", "agreement_rate", "max_abs_logit_diff_p50", "max_abs_logit_diff_p99"]
 )
+NOT_AVAILABLE = "n/a"
 
 
 class ReportError(ValueError):
@@ -44,13 +55,43 @@ def csv_row(r: LevelResult) -> dict[str, object]:
     row |= {f"{k}_ms": r.latency_ms.get(k, "") for k in LATENCY_KEYS}
     row |= {"send_lag_p99_ms": r.send_lag_p99_ms, "client_cpu_pct": r.client_cpu_pct, "stopped_by": r.stopped_by}
     row |= {f"server_{k}" + ("" if k == "count" else "_ms"): r.server.get(k, "") for k in SERVER_KEYS}
+    return row | route_cells(r)
+
+
+def _pairs(values: dict[str, object]) -> str:
+    return ";".join(f"{k}:{v:g}" if isinstance(v, float) else f"{k}:{v}" for k, v in values.items())
+
+
+def shadow_cells(shadow: dict[str, object]) -> dict[str, object]:
+    """A shadow's numbers by CSV column: n/a each when the service exported none."""
+    requests = shadow.get("requests")
+    if not isinstance(requests, dict):
+        keys = [*(f"shadow_{o}" for o in OUTCOMES), "shadow_rows", "shadow_agreeing_rows", "agreement_rate"]
+        return dict.fromkeys([*keys, "max_abs_logit_diff_p50", "max_abs_logit_diff_p99"], NOT_AVAILABLE)
+    diff = shadow.get("max_abs_logit_diff") or {}
+    agreement = shadow.get("agreement")
+    out: dict[str, object] = {f"shadow_{o}": requests.get(o, 0) for o in OUTCOMES}
+    out |= {"shadow_rows": shadow.get("rows"), "shadow_agreeing_rows": shadow.get("agreeing_rows")}
+    out["agreement_rate"] = NOT_AVAILABLE if agreement is None else agreement
+    return out | {f"max_abs_logit_diff_{q}": diff.get(q, NOT_AVAILABLE) for q in ("p50", "p99")}  # type: ignore[union-attr]
+
+
+def route_cells(r: LevelResult) -> dict[str, object]:
+    """The route columns of a level's CSV row (empty for a model, and the shadow's for a route without one)."""
+    if not r.is_route:
+        return {}
+    shares = {model: round(share, 4) for model, share in r.shares.items()}
+    row: dict[str, object] = {"route_weights": _pairs(r.targets), "answered_by": _pairs(r.answered_by)}
+    row["shares"] = _pairs(shares)
+    if r.shadow:
+        row |= {"shadow_model": r.shadow.get("model", "")} | shadow_cells(r.shadow)
     return row
 
 
 def _cell(value: object) -> str:
     if isinstance(value, float):
         return "-" if math.isnan(value) else f"{value:.1f}" if value >= 100 else f"{value:.2f}"
-    return "-" if value in ("", None) else str(value)
+    return "-" if value in ("", None) else str(value).replace("|", "\\|")  # a route's "8|4" is one cell
 
 
 def _table(headers: list[str], rows: list[list[object]]) -> list[str]:
@@ -77,6 +118,33 @@ def level_rows(results: list[LevelResult], with_server: bool) -> tuple[list[str]
             row += [r.offered_rate or "", r.achieved_rate, r.dropped] if r.mode == "open" else ["", "", ""]
         if with_server:
             row += [r.server.get("count", ""), r.server.get("p50", ""), r.server.get("p99", "")]
+        rows.append(row)
+    return headers, rows
+
+
+def share_rows(results: list[LevelResult]) -> tuple[list[str], list[list[object]]]:
+    """A row per route level and model that answered (its targets first): its weight and its share of the answers."""
+    headers = ["route", "protocol", "level", "ok", "answered by", "weight %", "share %", "answers"]
+    rows = []
+    for r in results:
+        weights = r.weight_shares
+        for model, share in (r.shares or dict.fromkeys(r.targets, math.nan)).items():
+            weight = 100 * weights[model] if model in weights else ""
+            rows.append([r.model, r.protocol, r.level, r.ok, model, weight, 100 * share, r.answered_by.get(model, 0)])
+    return headers, rows
+
+
+def agreement_rows(results: list[LevelResult]) -> tuple[list[str], list[list[object]]]:
+    """A row per level of a route with a shadow: mirrored requests by outcome, rows compared, agreement."""
+    headers = ["route", "protocol", "level", "shadow", *OUTCOMES, "rows", "agreeing", "agreement %"]
+    headers += ["max logit diff p50", "max logit diff p99", "note"]  # per request: the largest over rows, classes
+    rows = []
+    for r in results:
+        cells = shadow_cells(r.shadow)
+        rate = cells["agreement_rate"]
+        row = [r.model, r.protocol, r.level, r.shadow.get("model"), *(cells[f"shadow_{o}"] for o in OUTCOMES)]
+        row += [cells["shadow_rows"], cells["shadow_agreeing_rows"], 100 * rate if isinstance(rate, float) else rate]
+        row += [cells["max_abs_logit_diff_p50"], cells["max_abs_logit_diff_p99"], r.shadow.get("note", "")]
         rows.append(row)
     return headers, rows
 
@@ -125,6 +193,14 @@ def markdown(report: dict[str, object], results: list[LevelResult], plots: list[
         lines.append("Nothing was measured.")
     if len({r.protocol for r in results}) > 1:
         lines += ["", "## Per model and load level, protocols side by side", "", *_table(*protocol_rows(results))]
+    routes = [r for r in results if r.is_route]
+    if routes:
+        lines += ["", "## Routes: share of the answers per model, beside the configured weights", ""]
+        lines += _table(*share_rows(routes))
+    shadowed = [r for r in routes if r.shadow]
+    if shadowed:
+        lines += ["", "## Shadow agreement (the service's counters during each level)", ""]
+        lines += _table(*agreement_rows(shadowed))
     errors = [
         [r.model, r.protocol, r.level, k, n, r.error_examples.get(k, "")] for r in results for k, n in r.errors.items()
     ]

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from loadtest.discovery import ModelInfo
 from loadtest.grpc_client import GrpcPool
 from loadtest.http_client import ConnectionPool, HTTPError, Response
+from loadtest.routes import UNNAMED
 from loadtest.stats import LevelResult, latency_summary, percentile
 from loadtest.workload import DEFAULT_PROTOCOL, RequestBody
 
@@ -51,8 +52,9 @@ class Level:
 
 @dataclass(frozen=True)
 class Target:
-    """Where requests for one model under one protocol go, the bodies they carry (cycled), and what else than a 200
-    a good answer must be (`check` says what is wrong with one, "" when nothing)."""
+    """Where requests for one model (or route) under one protocol go, the bodies they carry (cycled), what else than
+    a 200 a good answer must be (`check` says what is wrong with one, "" when nothing), and for a route, how to read
+    which model answered."""
 
     model: ModelInfo
     path: str  # under the service's base URL, e.g. /v1/models/mha-h8-d512/predict
@@ -60,6 +62,7 @@ class Target:
     batch_size: int
     protocol: str = DEFAULT_PROTOCOL
     check: Callable[[Response, int], str] | None = None  # (answer, sequences asked) -> problem
+    answered_by: Callable[[Response], str] | None = None  # (answer) -> the model that answered it, "" if unnamed
 
 
 class Recorder:
@@ -75,6 +78,7 @@ class Recorder:
         self.lags: list[float] = []
         self.errors: Counter[str] = Counter()
         self.examples: dict[str, str] = {}
+        self.answered_by: Counter[str] = Counter()  # a route's successful answers by the model that answered
         self.last_done = self.start
         self.stopped_by = ""
         self.cpu_start = time.process_time()
@@ -102,12 +106,18 @@ class Recorder:
         self.sent += 1
         return True
 
-    def record(self, latency_s: float, error: str, message: str, sequences: int) -> None:
+    def record(
+        self, latency_s: float, error: str, message: str, sequences: int, answered_by: str | None = None
+    ) -> None:
+        """One answer: its latency, its error ("" for a success, `message` for an example of it); for a route's
+        success, the model that answered ("" when the answer does not say)."""
         self.last_done = time.perf_counter()
         if not error:
             self.ok += 1
             self.sequences += sequences
             self.latencies.append(latency_s)
+            if answered_by is not None:
+                self.answered_by[answered_by or UNNAMED] += 1
             return
         self.errors[error] += 1
         self.examples.setdefault(error, message[:300])
@@ -149,24 +159,28 @@ class Recorder:
             stopped_by=self.stopped_by or "duration",
             client_cpu_pct=round(100 * self.cpu_s / max(self.last_done - self.start, 1e-9), 1),
             error_examples=dict(self.examples),
+            targets=m.route.weights() if m.route else {},
+            answered_by=dict(self.answered_by),
         )
 
 
-async def post(pool: ConnectionPool | GrpcPool, target: Target, body: RequestBody) -> tuple[str, str]:
-    """Send one request; ("", "") on HTTP 200 (that passes the target's check), else (status code, transport error
-    kind or `malformed_answer`, message)."""
+async def post(pool: ConnectionPool | GrpcPool, target: Target, body: RequestBody) -> tuple[str, str, str | None]:
+    """Send one request; ("", "", answered by) on HTTP 200 (that passes the target's check; answered by is None
+    unless the target is a route), else (status code, transport error kind or `malformed_answer`, message, None)."""
     try:
         response = await pool.post(target.path, body.content, body.headers)
     except HTTPError as exc:
-        return exc.kind, str(exc)
+        return exc.kind, str(exc), None
     if response.status == 200:
         problem = target.check(response, body.sequences) if target.check else ""
-        return ("malformed_answer", problem) if problem else ("", "")
+        if problem:
+            return "malformed_answer", problem, None
+        return "", "", target.answered_by(response) if target.answered_by else None
     try:
         message = str(json.loads(response.body).get("error", response.body[:300]))
     except (ValueError, AttributeError):
         message = response.body[:300].decode("utf-8", errors="replace")
-    return str(response.status), message
+    return str(response.status), message, None
 
 
 def poisson_schedule(rate: float, duration_s: float, max_requests: int, rng: random.Random) -> list[float]:
@@ -190,8 +204,8 @@ async def closed_loop(pool: ConnectionPool, target: Target, workers: int, rec: R
             body = bodies[k % len(bodies)]
             k += workers
             t = time.perf_counter()
-            error, message = await post(pool, target, body)
-            rec.record(time.perf_counter() - t, error, message, body.sequences)
+            error, message, answered_by = await post(pool, target, body)
+            rec.record(time.perf_counter() - t, error, message, body.sequences, answered_by)
 
     await asyncio.gather(*(worker(i) for i in range(workers)))
 
@@ -203,8 +217,8 @@ async def open_loop(pool: ConnectionPool, target: Target, rate: float, cap: int,
 
     async def one(scheduled: float, body: RequestBody) -> None:
         rec.lags.append(time.perf_counter() - scheduled)
-        error, message = await post(pool, target, body)
-        rec.record(time.perf_counter() - scheduled, error, message, body.sequences)
+        error, message, answered_by = await post(pool, target, body)
+        rec.record(time.perf_counter() - scheduled, error, message, body.sequences, answered_by)
 
     try:
         for i, at in enumerate(schedule):

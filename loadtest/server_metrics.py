@@ -1,4 +1,5 @@
-"""Server-side latency from the service's Prometheus text: a histogram's buckets per model, deltas, quantiles.
+"""Server-side numbers from the service's Prometheus text: a histogram's buckets per model, deltas, quantiles, and
+counters summed by a label.
 
 Tolerant by design: a missing metric or an unreachable metrics URL becomes a note in the report, not a failure.
 """
@@ -34,36 +35,73 @@ class Histogram:
         return self.buckets.get(model, {}).get(math.inf, 0.0)
 
 
-def parse_histogram(text: str, name: str, match: dict[str, str] | None = None, model_label: str = "model") -> Histogram:
-    """The `<name>_bucket` series of a Prometheus exposition whose labels include `match`, grouped by `model_label`
-    (else `deployment`, which Ray Serve sets to the model's name)."""
-    buckets: dict[str, dict[float, float]] = {}
-    wanted = f"{name}_bucket"
+def _samples(text: str, name: str, match: dict[str, str] | None) -> list[tuple[dict[str, str], float]]:
+    """(labels, value) of each `name` sample whose labels include `match`."""
+    out = []
     for line in text.splitlines():
         sample = _SAMPLE.match(line)
-        if not sample or sample.group(1) != wanted:
+        if not sample or sample.group(1) != name:
             continue
         labels = dict(_LABEL.findall(sample.group(2) or ""))
         if match and any(labels.get(k) != v for k, v in match.items()):
             continue
+        out.append((labels, float(sample.group(3))))
+    return out
+
+
+def parse_counter(text: str, name: str, match: dict[str, str] | None = None, by: str = "") -> dict[str, float]:
+    """A counter's samples whose labels include `match`, summed per value of the label `by` (all under "" without
+    one); {} when the exposition has no such series."""
+    sums: dict[str, float] = {}
+    for labels, value in _samples(text, name, match):
+        key = labels.get(by, "") if by else ""
+        sums[key] = sums.get(key, 0.0) + value
+    return sums
+
+
+def parse_histogram(
+    text: str,
+    name: str,
+    match: dict[str, str] | None = None,
+    model_label: str = "model",
+    alias: dict[str, str] | None = None,
+) -> Histogram:
+    """The `<name>_bucket` series of a Prometheus exposition whose labels include `match`, grouped by `model_label`
+    (else `deployment`, which Ray Serve sets to the model's name); a model in `alias` is counted as its alias (a
+    route's targets as the route)."""
+    buckets: dict[str, dict[float, float]] = {}
+    for labels, value in _samples(text, f"{name}_bucket", match):
         model = labels.get(model_label) or labels.get("deployment")
         if model is None or "le" not in labels:
             continue
+        model = (alias or {}).get(model, model)
         le = math.inf if labels["le"] in ("+Inf", "Inf") else float(labels["le"])
         per_model = buckets.setdefault(model, {})
-        per_model[le] = per_model.get(le, 0.0) + float(sample.group(3))
+        per_model[le] = per_model.get(le, 0.0) + value
     return Histogram(buckets)
 
 
-def scrape(client: httpx.Client, url: str, names: tuple[str, ...], match: dict[str, str]) -> dict[str, Histogram]:
-    """One read of the metrics URL: each named histogram, restricted to series with the `match` labels."""
+def fetch(client: httpx.Client, url: str) -> str:
+    """The Prometheus text at `url`; MetricsError when it cannot be read."""
     try:
         response = client.get(url)
     except httpx.HTTPError as exc:
         raise MetricsError(f"cannot read metrics at {url}: {exc.__class__.__name__}: {exc}") from None
     if response.status_code != 200:
         raise MetricsError(f"metrics URL {url} answered {response.status_code}")
-    return {name: parse_histogram(response.text, name, match) for name in names}
+    return response.text
+
+
+def scrape(
+    client: httpx.Client,
+    url: str,
+    names: tuple[str, ...],
+    match: dict[str, str],
+    alias: dict[str, str] | None = None,
+) -> dict[str, Histogram]:
+    """One read of the metrics URL: each named histogram, restricted to series with the `match` labels."""
+    text = fetch(client, url)
+    return {name: parse_histogram(text, name, match, alias=alias) for name in names}
 
 
 def delta(before: Histogram, after: Histogram, model: str) -> dict[float, float]:
@@ -139,6 +177,7 @@ def wait_for_counts(
     base: dict[str, float],
     new_observations: float,
     timeout_s: float,
+    alias: dict[str, str] | None = None,
 ) -> tuple[dict[str, Histogram], str]:
     """Scrape until a histogram holds `new_observations` more for `model` than at `base` (metrics are exported with
     a delay) or the timeout passes; the scrape and the histogram's name ("" on timeout)."""
@@ -146,7 +185,7 @@ def wait_for_counts(
     start = time.monotonic()
     deadline = start + timeout_s
     while True:
-        hists = scrape(client, url, names, match)
+        hists = scrape(client, url, names, match, alias)
         grace_over = time.monotonic() - start >= IDLE_GRACE_FRACTION * timeout_s
         name = settled_name(hists, model, {n: base.get(n, 0.0) for n in names}, target, skip_idle=grace_over)
         if name or time.monotonic() >= deadline:

@@ -1,6 +1,6 @@
-"""A whole run: every selected model at every load level under every protocol, warm-up first, server-side metrics
-around each level. A model's protocols take turns at each level (the same requests in each), so a drift in the
-machine's load falls on all of them alike.
+"""A whole run: every selected model (or route) at every load level under every protocol, warm-up first,
+server-side metrics (and a route's shadow agreement) around each level. A model's protocols take turns at each level
+(the same requests in each), so a drift in the machine's load falls on all of them alike.
 
 Results accumulate in an Outcome as they are measured, so an interrupted or failing run still has a report to write.
 """
@@ -14,8 +14,10 @@ from dataclasses import dataclass, field, replace
 import httpx
 
 from loadtest import server_metrics
+from loadtest.agreement import ShadowCounts, ShadowMeter
 from loadtest.discovery import ModelInfo
 from loadtest.progress import Progress
+from loadtest.routes import ANSWERED_BY
 from loadtest.runner import Level, Limits, Recorder, Target, make_pool, run_phase
 from loadtest.stats import LevelResult
 from loadtest.workload import ANSWER_CHECKS, DEFAULT_PROTOCOL, SeqLenSpec, build_bodies, endpoint
@@ -62,23 +64,29 @@ class _ServerSide:
         self.names = plan.metrics_names
         self.match = dict(plan.metrics_match)
         self.base: dict[str, float] = {}
+        self.alias: dict[str, str] = {}  # a route's targets, whose series count the route's requests
         self.enabled = bool(plan.metrics_url)
         self.client = httpx.Client(timeout=10.0, trust_env=False)
+        self.shadow = ShadowMeter(self.client, plan.metrics_url, self.match, plan.metrics_wait_s, outcome.notes)
 
     def _off(self, why: str) -> None:
         self.enabled = False
         self.base = {}
         self.outcome.notes.append(f"server-side percentiles omitted: {why}")
 
-    def start(self, model: str) -> None:
-        """Note each histogram's count for `model` before any of its load."""
+    def start(self, model: ModelInfo) -> None:
+        """Note each histogram's count for `model` before any of its load (a route's: its targets' series too, as
+        the service may label a route's requests by the model that answered)."""
         self.base = {}
+        self.alias = {target: model.name for target, _ in model.route.targets} if model.route else {}
+        if model.route and model.route.shadow:
+            self.shadow.start(model.route)
         if self.enabled:
             try:
-                hists = server_metrics.scrape(self.client, self.plan.metrics_url, self.names, self.match)
+                hists = server_metrics.scrape(self.client, self.plan.metrics_url, self.names, self.match, self.alias)
             except server_metrics.MetricsError as exc:
                 return self._off(str(exc))
-            self.base = {name: hist.count(model) for name, hist in hists.items()}
+            self.base = {name: hist.count(model.name) for name, hist in hists.items()}
 
     def settle(self, model: str, ok_since_start: int) -> dict[str, server_metrics.Histogram] | None:
         """A scrape once `model` has `ok_since_start` new observations in a histogram (None when turned off)."""
@@ -86,7 +94,7 @@ class _ServerSide:
             return None
         url, wait = self.plan.metrics_url, self.plan.metrics_wait_s
         try:
-            args = (self.client, url, self.names, self.match, model, self.base, ok_since_start, wait)
+            args = (self.client, url, self.names, self.match, model, self.base, ok_since_start, wait, self.alias)
             hists, name = server_metrics.wait_for_counts(*args)
         except server_metrics.MetricsError as exc:
             return self._off(str(exc))
@@ -148,16 +156,34 @@ def _targets(model: ModelInfo, plan: Plan, outcome: Outcome) -> list[Target]:
     bodies, notes = build_bodies(*args, seed=plan.seed, model=model.name)
     outcome.notes += [f"{model.name}: {n}" for n in notes]
     return [
-        Target(model, endpoint(p, model.name), tuple(bodies[p]), plan.batch_size, p, ANSWER_CHECKS.get(p))
+        Target(
+            model,
+            endpoint(p, model.name),
+            tuple(bodies[p]),
+            plan.batch_size,
+            p,
+            ANSWER_CHECKS.get(p),
+            ANSWERED_BY[p] if model.route else None,
+        )
         for p in plan.protocols
     ]
+
+
+async def _settle(
+    server: _ServerSide, model: ModelInfo, seen_ok: int
+) -> tuple[dict[str, server_metrics.Histogram] | None, ShadowCounts | None]:
+    """The scrapes that frame a level: latency histograms, and a route's shadow counters (None where not read)."""
+    hists = await asyncio.to_thread(server.settle, model.name, seen_ok)
+    route = model.route
+    shadow = await asyncio.to_thread(server.shadow.settle, route, seen_ok) if route and route.shadow else None
+    return hists, shadow
 
 
 async def _run_model(
     model: ModelInfo, plan: Plan, outcome: Outcome, stop: asyncio.Event, progress: Progress, server: _ServerSide
 ) -> None:
     targets = _targets(model, plan, outcome)
-    await asyncio.to_thread(server.start, model.name)
+    await asyncio.to_thread(server.start, model)
     seen_ok = 0  # successful requests to this model so far, under every protocol, warm-ups included
     for level in plan.levels:
         for target in list(targets):
@@ -171,17 +197,17 @@ async def _run_model(
                 seen_ok += warm.ok
                 if stop.is_set():
                     return
-            before = await asyncio.to_thread(server.settle, model.name, seen_ok)
+            before, shadow_before = await _settle(server, model, seen_ok)
             rec = await _phase(target, level, plan, plan.limits.duration_s, stop, progress, where)
             if rec.sent == 0 and stop.is_set():
                 return
             seen_ok += rec.ok
             result = replace(rec.result(target, level), warmup_sent=warm_sent, warmup_ok=warm_ok)
-            after = None
-            if before and not stop.is_set():
-                after = await asyncio.to_thread(server.settle, model.name, seen_ok)
+            after, shadow_after = (None, None) if stop.is_set() else await _settle(server, model, seen_ok)
             if before and after:
                 result = replace(result, server=server.percentiles(before, after, model.name))
+            if model.route and model.route.shadow:
+                result = replace(result, shadow=server.shadow.report(model.route, shadow_before, shadow_after))
             if not _keep(result, rec, outcome, progress, where):
                 targets.remove(target)
 

@@ -40,10 +40,10 @@ def percentile(values: list[float], q: float) -> float:
 class LevelResult:
     """One model at one load level: what was sent, what came back, how fast."""
 
-    model: str
-    heads: int
-    head_dim: int
-    d_model: int
+    model: str  # or route
+    heads: int | str  # a route's targets' (discovery.route_model), e.g. "8|4"
+    head_dim: int | str
+    d_model: int | str
     mode: str  # "closed" (fixed concurrency) or "open" (Poisson arrivals at a fixed rate)
     concurrency: int  # closed: workers; open: the cap on outstanding requests
     offered_rate: float  # open: requests/s asked for; closed: 0
@@ -66,11 +66,42 @@ class LevelResult:
     precision: str = DEFAULT_PRECISION  # fp32 | int8 | fp16 (last, with a default: older reports have none)
     # simple | v2 | v2-binary | grpc; a report from before levels had one names it once (report.load_report)
     protocol: str = DEFAULT_PROTOCOL
+    # a route (reports from before routes have none of these): its configured weights by target model, its
+    # successful answers by the model that said it answered, and its shadow's agreement (agreement.shadow_report)
+    targets: dict[str, float] = field(default_factory=dict)
+    answered_by: dict[str, int] = field(default_factory=dict)
+    shadow: dict[str, object] = field(default_factory=dict)
 
     @property
-    def group_key(self) -> tuple[int, int, str, int, str]:
-        """How results are grouped and sorted for comparison: by h, then by precision (fp32 first), then protocol."""
-        return self.heads, precision_rank(self.precision), self.precision, protocol_rank(self.protocol), self.protocol
+    def is_route(self) -> bool:
+        return bool(self.targets)
+
+    @property
+    def group_key(self) -> tuple[int, int, int, str, int, str]:
+        """How results are grouped and sorted for comparison: models by h, then routes; then by precision (fp32
+        first), then protocol."""
+        heads = self.heads if isinstance(self.heads, int) and not self.is_route else 0
+        precision = (precision_rank(self.precision), self.precision)
+        return int(self.is_route), heads, *precision, protocol_rank(self.protocol), self.protocol
+
+    @property
+    def weight_shares(self) -> dict[str, float]:
+        """A route's configured share of each target (weight / sum of weights)."""
+        total = sum(self.targets.values())
+        return {model: weight / total for model, weight in self.targets.items()} if total > 0 else {}
+
+    @property
+    def shares(self) -> dict[str, float]:
+        """The share of successful answers each model gave, its targets first (in the route's order)."""
+        answered = sum(self.answered_by.values())
+        order = [*self.targets, *(m for m in self.answered_by if m not in self.targets)]
+        return {m: self.answered_by.get(m, 0) / answered for m in order} if answered else {}
+
+    @property
+    def agreement_rate(self) -> float:
+        """Agreeing rows / rows compared by the route's shadow during the level; nan when none were."""
+        rate = self.shadow.get("agreement")
+        return float(rate) if isinstance(rate, int | float) else math.nan
 
     @property
     def level(self) -> str:
@@ -86,6 +117,7 @@ class LevelResult:
         out = asdict(self)
         out["level"] = self.level
         out["achieved_rate"] = round(self.achieved_rate, 3)
+        out["shares"] = {model: round(share, 6) for model, share in self.shares.items()}
         return out
 
     @classmethod

@@ -42,7 +42,12 @@ def _gpu_available() -> bool:
 # scrape): they run right after the cluster test, while the export is small. Ray's agent keeps the series of every
 # replica the session ever ran (~10,000 series, ~5 MB by the end of a full run), and a scrape late in the session
 # took 1-9 s on 2 busy cores.
-METRICS_EXPORT_FILES = {"test_metrics.py", "test_pruned_serving.py", "test_loadtest_service.py"}
+METRICS_EXPORT_FILES = {
+    "test_metrics.py",
+    "test_pruned_serving.py",
+    "test_loadtest_service.py",
+    "test_loadtest_routes.py",
+}
 
 
 def _run_order(item) -> int:
