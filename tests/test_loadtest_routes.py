@@ -8,7 +8,6 @@ import asyncio
 import csv
 import json
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -306,8 +305,9 @@ def test_compare_shows_agreement_where_either_report_has_it_and_reads_reports_fr
 ROOT = Path(__file__).resolve().parents[1]
 APP = "loadtest-routes"
 ROUTE_NAME = "classifier"
-PRIMARY, MINOR, SHADOW_MODEL = "mha-h4-d32", "mha-h2-d32", "mha-h8-d32"
-PROTOCOLS = ("simple", "v2", "v2-binary", "grpc")
+PRIMARY, MINOR = "mha-h4-d32", "mha-h2-d32"
+SHADOW_MODEL = MINOR  # the answers of PRIMARY (90 %) are mirrored to it; its own are not
+PROTOCOLS = ("simple", "grpc")  # each protocol's answer is read in the unit tests above; two run end to end
 REQUESTS_PER_PROTOCOL = 1000
 
 
@@ -318,26 +318,14 @@ def _service_has_routes() -> bool:
 
 
 @pytest.fixture(scope="module")
-def route_models_dir(tiny_models_dir, tmp_path_factory) -> Path:
-    """The two tiny models and a third (h=8) for the shadow."""
-    from conftest import export_tiny_model
-
-    out = tmp_path_factory.mktemp("route-models")
-    for name in (PRIMARY, MINOR):
-        shutil.copytree(tiny_models_dir / name, out / name)
-    export_tiny_model(out, heads=8, seed=8)
-    return out
-
-
-@pytest.fixture(scope="module")
-def route_app(serve_port, route_models_dir):
+def route_app(serve_port, tiny_models_dir):
     from ray import serve
     from serving import deploy
 
     from service.local.ports import free_port
 
     routes = {ROUTE_NAME: {"targets": {PRIMARY: 90, MINOR: 10}, "shadow": {"model": SHADOW_MODEL, "fraction": 0.5}}}
-    served = deploy(serve_port, APP, route_models_dir, ingress={"grpc_port": free_port()}, routes=routes)
+    served = deploy(serve_port, APP, tiny_models_dir, ingress={"grpc_port": free_port()}, routes=routes)
     yield served
     serve.delete(APP)
 
@@ -396,7 +384,8 @@ def test_loadtest_reports_route_shares_and_agreement(request, tmp_path):
         assert sum(r["answered_by"].values()) == r["ok"] and r["heads"] == "4|2"
     answers = sum(r["ok"] for r in levels)
     primary_share = sum(r["answered_by"].get(PRIMARY, 0) for r in levels) / answers
-    assert 0.88 <= primary_share <= 0.92, primary_share  # 90/10 within 2 points (4000 answers: sd 0.5 points)
+    # 90/10: 2,000 answers, sd 0.67 points; within 2.5 (3.7 sd). The 2-point bar over 10,000: benchmarks/routes.py
+    assert 0.875 <= primary_share <= 0.925, primary_share
 
     # the agreement the report gives is the service's own: agreeing rows / rows during the run, from /metrics
     rows_after, agreeing_after = settled_shadow_counts(metrics_url)
