@@ -13,8 +13,8 @@ from service.shadow import Agreement
 
 MODEL_LABELS = ("model", "heads", "head_dim", "d_model", "precision", "backend")
 UNKNOWN_MODEL = "_unknown"  # label for requests naming no served model: keeps label cardinality bounded
-# Ray drops a gauge value that was not set again within two metrics export intervals (10 s each by default), so
-# the ingress re-sets its gauges this often; a value set once would vanish from the scrape after ~20 s.
+# On Ray's OpenTelemetry metrics path a gauge value not set again within two export intervals (10 s each by default)
+# vanishes from the scrape, so the ingress re-sets its gauges this often (service/local/ray_env.py picks the path).
 GAUGE_REFRESH_S = 1.0
 
 # Seconds. Bare ORT on 2 CPU cores runs the small model in ~0.4 ms and the default one in ~6 ms at batch 1; an HTTP

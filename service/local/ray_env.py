@@ -9,6 +9,22 @@ import os
 from service.http.limits import PROXY_LIMITS_ENV
 from service.local.ports import is_loopback
 
+# Ray's metrics agent would keep every series a replica ever reported until Ray restarts, so the export would grow
+# with every replica restart. The same values on the cluster's pods (deploy/k8s/base/rayservice.yaml).
+BOUNDED_METRICS_ENV = {
+    # Ray's OpenCensus path: the agent drops all of a worker's series once it has not reported for
+    # RAY_WORKER_TIMEOUT_S (120 s). The default OpenTelemetry path keeps dead workers' counters and histograms.
+    "RAY_enable_open_telemetry": "0",
+    # That path's default aggregation labels a name's series from every worker with one worker's label names:
+    # Serve's proxy and replicas name serve_event_loop_* labels differently, and every scrape fails (HTTP 500).
+    "RAY_metric_cardinality_level": "legacy",
+    # Within one worker too: the router's own loop reports them without the replica's labels. On the replica's loop,
+    # as the throughput-optimized mode runs it, there is none.
+    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+    # Serve's controller outlives the replicas: without their ids on its metrics, a restart adds none of its series.
+    "RAY_SERVE_CONTROLLER_METRICS_INCLUDE_HIGH_CARDINALITY_TAGS": "0",
+}
+
 # Set with setdefault: the user's own values win.
 LOCAL_RAY_ENV = {
     # Ray starts its workers at nice 15: any normal process on the machine (a load generator, a build) would starve
@@ -25,6 +41,7 @@ LOCAL_RAY_ENV = {
     # No Ray started behind the launcher's back: a Serve long-poll client's late update during shutdown once called
     # ray.init() from Ray's callback thread, and shutdown waited on it until SIGKILL.
     "RAY_ENABLE_AUTO_CONNECT": "0",
+    **BOUNDED_METRICS_ENV,
     # With --proxy: Serve's proxy checks the default request limits before it reads a body, as on a cluster.
     **PROXY_LIMITS_ENV,
 }

@@ -1,0 +1,73 @@
+"""Bounded metrics: the series of a replica that died leave Ray's metrics export while the live ones stay
+(service/local/ray_env.py BOUNDED_METRICS_ENV, on a real `mha-serving serve` whose model replica is SIGKILLed), and
+the cluster's pods run Ray with the same settings."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from benchmarks.metrics_churn import served_and_exported, until
+from benchmarks.servers import ServerProcess
+from service.local.ray_env import BOUNDED_METRICS_ENV, ray_env
+
+RAYSERVICE = Path(__file__).resolve().parents[1] / "deploy" / "k8s" / "base" / "rayservice.yaml"
+MODEL = "mha-h2-d32"  # in its own deployment: its replica is a process of its own
+WORKER_TIMEOUT_S = "5"  # Ray's RAY_WORKER_TIMEOUT_S (120 s by default): how long a silent worker's series are kept
+
+
+def pods() -> list[dict]:
+    cluster = yaml.safe_load(RAYSERVICE.read_text())["spec"]["rayClusterConfig"]
+    return [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+
+
+def test_every_cluster_pod_runs_ray_with_the_bounded_metrics_settings():
+    for group in pods():
+        (container,) = group["template"]["spec"]["containers"]
+        env = {e["name"]: e["value"] for e in container["env"]}
+        assert BOUNDED_METRICS_ENV.items() <= env.items(), group.get("groupName", "head")
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0"])
+def test_the_local_server_runs_ray_with_the_bounded_metrics_settings(host):
+    assert BOUNDED_METRICS_ENV.items() <= ray_env(host).items()
+
+
+def series_of(text: str, replica: str) -> list[str]:
+    """The export's samples labelled with Serve's `replica` tag `replica`."""
+    return re.findall(rf'^\S+\{{[^}}]*[{{,]replica="{replica}"[^\n]*', text, re.M)
+
+
+@pytest.mark.serve
+@pytest.mark.slow
+def test_a_killed_replicas_series_leave_the_export_and_the_live_replicas_stay(tiny_models_dir, monkeypatch):
+    monkeypatch.setenv("RAY_WORKER_TIMEOUT_S", WORKER_TIMEOUT_S)
+    monkeypatch.setenv("RAY_metrics_report_interval_ms", "1000")  # as the session's Ray (tests/serving.py)
+    config = {"models_dir": str(tiny_models_dir), "models": [MODEL], "backend": "cpu"}
+    config["overrides"] = {MODEL: {"placement": "deployment"}}
+    with ServerProcess(config) as server:
+
+        def export() -> str:
+            r = httpx.get(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=60)
+            assert r.status_code == 200, r.text[:500]
+            return r.text
+
+        dead = served_and_exported(server, MODEL, requests=3, seen=set())
+        assert series_of(export(), dead)
+        os.kill(server.replica_pid(MODEL), signal.SIGKILL)
+        live = served_and_exported(server, MODEL, requests=3, seen={dead})
+
+        def without_dead() -> str:
+            text = export()
+            return "" if series_of(text, dead) else text
+
+        text = until(without_dead, 90, f"the series of the killed replica {dead} leaving the export", every_s=1)
+        own = [line for line in series_of(text, live) if line.startswith("ray_mha_")]
+        assert own, f"the live replica {live} has no ray_mha_* series left"
+        assert re.search(r'^ray_mha_requests_total\{[^}]*deployment="ingress"', text, re.M), "the ingress's are gone"
