@@ -126,7 +126,10 @@ def churn(args, lever: str) -> dict:
         "backend": "cpu",
         "deployment": {"placement": "deployment", "num_cpus": 0.5},
     }
-    env = {"RAY_metrics_report_interval_ms": REPORT_INTERVAL_MS, **(LEVER_OFF if lever == "off" else {})}
+    env = {
+        "RAY_metrics_report_interval_ms": REPORT_INTERVAL_MS,
+        **(LEVER_OFF if lever == "off" else BOUNDED_METRICS_ENV),
+    }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # inherited by the server and every Ray process; ray_env's setdefault keeps them
     try:

@@ -10,7 +10,8 @@ from service.http.limits import PROXY_LIMITS_ENV
 from service.local.ports import is_loopback
 
 # Ray's metrics agent would keep every series a replica ever reported until Ray restarts, so the export would grow
-# with every replica restart. The same values on the cluster's pods (deploy/k8s/base/rayservice.yaml).
+# with every replica restart. Set on the cluster's pods (deploy/k8s/base/rayservice.yaml); not by the local launcher
+# (export them to opt in): on this path Ray's metrics export listens on every interface, not on --host's loopback.
 BOUNDED_METRICS_ENV = {
     # Ray's OpenCensus path: the agent drops all of a worker's series once it has not reported for
     # RAY_WORKER_TIMEOUT_S (120 s). The default OpenTelemetry path keeps dead workers' counters and histograms.
@@ -41,7 +42,6 @@ LOCAL_RAY_ENV = {
     # No Ray started behind the launcher's back: a Serve long-poll client's late update during shutdown once called
     # ray.init() from Ray's callback thread, and shutdown waited on it until SIGKILL.
     "RAY_ENABLE_AUTO_CONNECT": "0",
-    **BOUNDED_METRICS_ENV,
     # With --proxy: Serve's proxy checks the default request limits before it reads a body, as on a cluster.
     **PROXY_LIMITS_ENV,
 }
