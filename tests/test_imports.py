@@ -111,3 +111,13 @@ def test_only_the_one_adapter_reaches_into_uvicorn_or_ray_internals():
     }
     sources = "".join(p.read_text() for p in (ROOT / "service").rglob("*.py"))
     assert "_start_asgi_task" not in sources and "HTTP_PROTOCOLS" not in sources
+
+
+def test_the_command_line_imports_no_ray_before_it_sets_rays_environment():
+    """Ray reads its environment when first imported (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER, which keeps a local Ray's
+    ports on loopback, among them): `mha-serving serve` sets it in start_local, so nothing it imports before may
+    import Ray."""
+    code = "import sys, service.cli, service.local.launcher; print(sorted(m for m in sys.modules if m == 'ray'))"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]"

@@ -5,8 +5,6 @@ service/metrics.py's. No torch.
 
 from __future__ import annotations
 
-from ray.serve.metrics import Counter, Gauge
-
 
 class ConnectionMetrics:
     """Counted by the server's protocol (service/http/head_limits.py) as plain integers, totals since start;
@@ -14,6 +12,10 @@ class ConnectionMetrics:
     gauge value not set within two export intervals: service/metrics.py GAUGE_REFRESH_S)."""
 
     def __init__(self) -> None:
+        # Imported here: the launcher reaches this module through service/local/ray_env.py before it sets Ray's
+        # environment, and Ray reads that environment once, when first imported.
+        from ray.serve.metrics import Counter, Gauge
+
         self.header_timeouts = 0  # connections whose head did not arrive within header_timeout_s
         self.refused = 0  # connections refused over max_connections
         self._exported_timeouts = self._exported_refused = 0
