@@ -44,8 +44,6 @@ def series_of(text: str, replica: str) -> list[str]:
 def test_a_killed_replicas_series_leave_the_export_and_the_live_replicas_stay(tiny_models_dir, monkeypatch):
     monkeypatch.setenv("RAY_WORKER_TIMEOUT_S", WORKER_TIMEOUT_S)
     monkeypatch.setenv("RAY_metrics_report_interval_ms", "1000")  # as the session's Ray (tests/serving.py)
-    for key, value in BOUNDED_METRICS_ENV.items():  # opted in, as the cluster's pods are
-        monkeypatch.setenv(key, value)
     config = {"models_dir": str(tiny_models_dir), "models": [MODEL], "backend": "cpu"}
     config["overrides"] = {MODEL: {"placement": "deployment"}}
     with ServerProcess(config) as server:

@@ -10,8 +10,7 @@ from service.http.limits import PROXY_LIMITS_ENV
 from service.local.ports import is_loopback
 
 # Ray's metrics agent would keep every series a replica ever reported until Ray restarts, so the export would grow
-# with every replica restart. Set on the cluster's pods (deploy/k8s/base/rayservice.yaml); not by the local launcher
-# (export them to opt in): on this path Ray's metrics export listens on every interface, not on --host's loopback.
+# with every replica restart. Set by the local launcher and on the cluster's pods (deploy/k8s/base/rayservice.yaml).
 BOUNDED_METRICS_ENV = {
     # Ray's OpenCensus path: the agent drops all of a worker's series once it has not reported for
     # RAY_WORKER_TIMEOUT_S (120 s). The default OpenTelemetry path keeps dead workers' counters and histograms.
@@ -44,6 +43,7 @@ LOCAL_RAY_ENV = {
     "RAY_ENABLE_AUTO_CONNECT": "0",
     # With --proxy: Serve's proxy checks the default request limits before it reads a body, as on a cluster.
     **PROXY_LIMITS_ENV,
+    **BOUNDED_METRICS_ENV,
 }
 # With --access-log: Serve's logger writes each line to stderr too (which Ray forwards to the server's output) and at
 # once (the throughput-optimized mode buffers the request path's lines 1,000 at a time).
