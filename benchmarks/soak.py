@@ -24,7 +24,7 @@ import numpy as np
 
 from benchmarks.servers import ServerProcess
 from benchmarks.soak_load import PROTOCOLS, SEQ_LEN, Plan, Tally, intervals, run_client
-from benchmarks.soak_report import Samples, classes, client_row, write_figures, write_report
+from benchmarks.soak_report import Samples, classes, client_row, thread_names_text, write_figures, write_report
 from benchmarks.soak_sample import TreeSampler
 from benchmarks.soak_verdict import verdict, windows
 from contract.metadata import CONFIG_FILE, MODEL_FILE, config_name
@@ -52,6 +52,7 @@ class Run:
     capacity: float = float("nan")
     rate: float = float("nan")
     interrupted: str = ""
+    thread_names: list[dict[str, Counter]] = field(default_factory=list)  # per kind, at the load's start and end
 
     def add(self, row: dict, tally: Tally | None) -> None:
         self.rows.append(row)
@@ -115,6 +116,8 @@ def soak(server: ServerProcess, plan: Plan, samples: Samples, run: Run) -> None:
                 if got != k:
                     raise SoakError(f"the load client sent interval {got} where {k} was due")
                 row.update(client_row(tally, names, t_s - run.rows[-1]["t_s"]))
+            if k in (0, last):  # which threads a kind gained or lost over the run, by name
+                run.thread_names.append(sampler.thread_names())
             run.add(row, tally)
             samples.add(row)
             if k % every == 0 or k == last:
@@ -223,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         list(args.model),
         (run.outcomes, run.slow_ms, run.dropped),
         figures,
+        thread_names_text(run.thread_names[0], run.thread_names[-1]) if run.thread_names else "Not sampled.",
     )
     print("\n" + text.split("## Summary")[0].strip())
     print(f"\nwrote {out}/report.md, samples.csv and {len(figures)} PNGs")

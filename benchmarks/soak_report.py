@@ -229,8 +229,23 @@ def answers_text(outcomes: Counter, slow_ms: list[float], dropped: int) -> str:
     )
 
 
-def write_report(path: Path, head: str, lines: list[Line], rows: list[dict], latencies, models, totals, figures) -> str:
-    """report.md: `head` (what ran), the verdict, the summary, latency per model, answers, the figures."""
+def thread_names_text(first: dict[str, Counter], last: dict[str, Counter]) -> str:
+    """Per kind of process whose threads changed between two snapshots, the thread names whose counts did."""
+    out = []
+    for kind in KINDS:
+        a, b = first.get(kind, Counter()), last.get(kind, Counter())
+        changed = sorted(n for n in a.keys() | b.keys() if a[n] != b[n])
+        if changed:
+            names = ", ".join(f"`{n}` {a[n]} -> {b[n]}" for n in changed)
+            out.append(f"- {kind}: {sum(a.values())} -> {sum(b.values())} threads; {names}")
+    return "\n".join(out) or "No kind of process changed its threads' names or counts."
+
+
+def write_report(
+    path: Path, head: str, lines: list[Line], rows: list[dict], latencies, models, totals, figures, threads: str
+) -> str:
+    """report.md: `head` (what ran), the verdict, the summary, latency per model, answers, threads by name, the
+    figures."""
     w = windows(rows[-1]["t_s"])
     spans = (
         f"Windows (seconds of load): warm-up {w.warmup_s:g}, first ({w.first[0]:g}, {w.first[1]:g}], last "
@@ -249,6 +264,8 @@ def write_report(path: Path, head: str, lines: list[Line], rows: list[dict], lat
             latency_table(rows, latencies, models, w),
             "## Answers",
             answers_text(*totals),
+            "## Threads by name (once the load started, and at its end)",
+            threads,
             "## Figures",
             "\n".join(f"![{f}]({f})" for f in figures),
         ]

@@ -10,6 +10,7 @@ import os
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -126,6 +127,18 @@ class TreeSampler:
         with contextlib.suppress(OSError):
             return cpu_seconds(self.client)
         return float("nan")
+
+    def thread_names(self) -> dict[str, Counter]:
+        """Per kind, how many of its threads carry each name (/proc/PID/task/TID/comm): which pool grew, when a
+        kind's thread count did."""
+        names: dict[str, Counter] = {k: Counter() for k in KINDS}
+        for pid in descendants(self.root):
+            kind = self._kind(pid)
+            with contextlib.suppress(OSError):  # gone meanwhile
+                for task in Path(f"/proc/{pid}/task").iterdir():
+                    with contextlib.suppress(OSError):
+                        names[kind][(task / "comm").read_text().strip()] += 1
+        return names
 
     def sample(self) -> dict[str, float]:
         """One row: totals, per-kind figures (`<kind>_<figure>`), CPU shares in % of one core, the machine's load

@@ -5,15 +5,17 @@ tiny models. The hour itself is `python -m benchmarks.soak`."""
 from __future__ import annotations
 
 import csv
+import ctypes
 import math
 import os
+import threading
 from collections import Counter
 
 import numpy as np
 import pytest
 
 from benchmarks.soak_load import Tally, classify, interval_of, intervals
-from benchmarks.soak_report import client_row, codes
+from benchmarks.soak_report import client_row, codes, thread_names_text
 from benchmarks.soak_sample import (
     KINDS,
     TreeSampler,
@@ -112,6 +114,33 @@ def test_the_tree_sampler_reads_a_live_process_from_proc():
     assert row["driver_processes"] >= 1 and row["driver_fds"] > 0 and row["driver_threads"] >= 1
     assert row["pss_mib"] > 0 and row["rss_mib"] >= row["pss_mib"]
     assert math.isnan(row["metrics_bytes"]) and math.isnan(row["metrics_scrape_s"])
+
+
+def test_the_tree_sampler_counts_a_live_process_threads_by_name():
+    started, release = threading.Event(), threading.Event()
+
+    def named() -> None:
+        ctypes.CDLL(None).prctl(15, b"soak-probe", 0, 0, 0)  # PR_SET_NAME: this thread's comm
+        started.set()
+        release.wait(10)
+
+    thread = threading.Thread(target=named)
+    thread.start()
+    try:
+        started.wait(10)
+        names = TreeSampler(os.getpid(), os.getpid(), "http://127.0.0.1:9/metrics").thread_names()
+    finally:
+        release.set()
+        thread.join()
+    assert names["driver"]["soak-probe"] == 1
+
+
+def test_the_report_names_the_threads_a_kind_gained():
+    first = {"ingress": Counter({"event_engine": 7, "python": 26}), "raylet": Counter({"raylet": 30})}
+    last = {"ingress": Counter({"event_engine": 9, "python": 26, "new_pool": 1}), "raylet": Counter({"raylet": 30})}
+    text = thread_names_text(first, last)
+    assert text == "- ingress: 33 -> 36 threads; `event_engine` 7 -> 9, `new_pool` 0 -> 1"
+    assert thread_names_text(first, first).startswith("No kind")
 
 
 def test_an_hours_windows_are_the_bars_ten_and_fifty_minutes():
