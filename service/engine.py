@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -91,6 +92,17 @@ class EngineSettings:
         return dataclasses.replace(self.policy, max_runs=runs, inline_max_s=inline)
 
 
+def started_pool(workers: int, prefix: str) -> ThreadPoolExecutor:
+    """A thread pool whose threads are all started now. ThreadPoolExecutor starts one lazily whenever a task arrives
+    while no thread is idle (or one is only about to be), so a replica's thread count would creep up to the maximum
+    over hours, which a soak cannot tell from a leak."""
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=prefix)
+    gate = threading.Barrier(workers, timeout=10)  # no task ends before all have started: each submit adds a thread
+    for _ in range(workers):
+        pool.submit(gate.wait)
+    return pool
+
+
 class ModelEngine:
     """Triton-style lifecycle: load once at construction (a bad folder is reported, a backend that cannot be honoured
     raises BackendError), then `infer` per request; `status` backs readiness and the model list."""
@@ -116,7 +128,7 @@ class ModelEngine:
             # main session a moment ago.
             self._beside = load_runtime(models_dir, name, "cpu", beside, settings.spinning)
         # The batcher's runners hold up to max_runs threads while requests keep coming; one more for attention.
-        self._pool = ThreadPoolExecutor(max_workers=policy.max_runs + 1, thread_name_prefix=f"{ORT_THREADS}{name}")
+        self._pool = started_pool(policy.max_runs + 1, f"{ORT_THREADS}{name}")
         self._metrics = ReplicaMetrics()
         self.labels = model_labels(rt.meta, rt.backend) if rt is not None else model_labels(None, "", name)
         self._attention = AttentionVariant(models_dir, name, threads)  # opened on first use only
