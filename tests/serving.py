@@ -48,15 +48,15 @@ def start_ray_and_serve(metrics_port: int | None = None, grpc_port: int | None =
     from ray import serve
 
     from service.http.limits import PROXY_LIMITS_ENV
-    from service.local.ray_env import BOUNDED_METRICS_ENV, RAY_ON_LOOPBACK
+    from service.local.ray_env import CLUSTER_RAY_ENV, RAY_ON_LOOPBACK
     from service.rpc.server import SERVE_SERVICERS
 
     port = free_port()
     # Ray exports metrics every 10 s by default; 1 s keeps the metrics tests short (Ray's processes inherit it).
     os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
     # As on a cluster, requests come through Serve's proxy (with the image's proxy limits) and Ray runs the pods'
-    # metrics settings; Ray's ports on loopback.
-    for key, value in {**PROXY_LIMITS_ENV, **BOUNDED_METRICS_ENV, **RAY_ON_LOOPBACK}.items():
+    # Ray settings; Ray's ports on loopback.
+    for key, value in {**PROXY_LIMITS_ENV, **CLUSTER_RAY_ENV, **RAY_ON_LOOPBACK}.items():
         os.environ.setdefault(key, value)
     ray.init(
         address="local",

@@ -2,42 +2,30 @@
 deploy/serve_config.yaml (adapted to tiny models), requests to every head configuration (HTTP, and gRPC through
 Serve's gRPC proxy), placement by Ray resources (the second node advertises a logical GPU, standing in for a GPU
 worker), and recovery after that node is killed and comes back. Only processes this test starts are stopped, by
-PID, at the end.
+PID, at the end. The cluster itself is benchmarks/local_cluster.py, which benchmarks/cluster_faults.py drives too.
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import math
-import os
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 import httpx
 import numpy as np
 import pytest
-import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from serving import v2_tensor
 
+from benchmarks.local_cluster import LocalCluster, head_only_config
 from contract.rpc import inference_pb2 as pb
 from contract.rpc import inference_pb2_grpc as pb_grpc
-from service.http.limits import PROXY_LIMITS_ENV
-from service.local.ports import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.serve]
 
-ROOT = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
 STEP_TIMEOUT_S = 240.0  # each wait below (start, deploy, recover) is bounded by this
 GPU_MODEL, CPU_MODEL = "mha-h4-d32", "mha-h2-d32"  # the conftest's tiny models
 GPU_TEMPLATE, CPU_TEMPLATE = "mha-h8-d512", "mha-h1-d512"  # real head configurations whose settings they take
@@ -55,141 +43,6 @@ def wait_for(what: str, check: Callable[[], object], timeout_s: float = STEP_TIM
             last = exc
         time.sleep(every_s)
     pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what} (last error: {last!r})")
-
-
-# ---- processes: ours only, found by PID ----
-def child_map() -> dict[int, list[int]]:
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(stat.parent.name))
-    return children
-
-
-def process_tree(pid: int) -> list[int]:
-    children, tree, todo = child_map(), [pid], [pid]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        tree += kids
-        todo += kids
-    return tree
-
-
-def pids_mentioning(marker: str) -> list[int]:
-    """Processes whose command line names `marker` (this test's own, unique temp dir)."""
-    found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            if marker.encode() in cmdline.read_bytes():
-                found.append(int(cmdline.parent.name))
-        except OSError:
-            continue
-    return found
-
-
-def signal_all(pids: list[int], sig: int) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):  # gone already, or not ours to signal
-            os.kill(pid, sig)
-
-
-# ---- the cluster ----
-@dataclass
-class Node:
-    """One `ray start --block` process (its Ray processes are its descendants) and its own temp dir."""
-
-    name: str
-    proc: subprocess.Popen
-    temp_dir: Path
-
-
-@dataclass
-class LocalCluster:
-    root: Path
-    nodes: list[Node] = field(default_factory=list)
-    gcs_port: int = field(default_factory=free_port)
-    dashboard_port: int = field(default_factory=free_port)
-    http_port: int = field(default_factory=free_port)
-    grpc_port: int = field(default_factory=free_port)
-
-    @property
-    def env(self) -> dict[str, str]:
-        return {
-            **os.environ,
-            **PROXY_LIMITS_ENV,  # as the image sets it
-            "RAY_AUTH_MODE": "disabled",  # trusted local setup on 127.0.0.1 (Ray 2.60 defaults to token auth)
-            "RAY_USAGE_STATS_ENABLED": "0",
-            "RAY_health_check_period_ms": "1000",  # notice a killed node in seconds, not tens of seconds
-            "RAY_health_check_failure_threshold": "3",
-        }
-
-    @property
-    def dashboard(self) -> str:
-        return f"http://127.0.0.1:{self.dashboard_port}"
-
-    def start(self, name: str, cpus: float, gpus: float, head: bool = False) -> Node:
-        temp_dir = Path(tempfile.mkdtemp(prefix=f"{name[:3]}", dir=self.root))
-        ports = {
-            "--node-manager-port": free_port(),
-            "--object-manager-port": free_port(),
-            "--metrics-export-port": free_port(),
-            "--dashboard-agent-listen-port": free_port(),
-            "--dashboard-agent-grpc-port": free_port(),
-            "--runtime-env-agent-port": free_port(),
-        }
-        args = [str(BIN / "ray"), "start", "--block", "--disable-usage-stats", "--node-ip-address=127.0.0.1"]
-        args += [f"--num-cpus={math.ceil(cpus)}", f"--num-gpus={math.ceil(gpus)}", "--object-store-memory=100000000"]
-        args += [f"--temp-dir={temp_dir}", *(f"{flag}={port}" for flag, port in ports.items())]
-        if head:
-            args += ["--head", f"--port={self.gcs_port}", f"--ray-client-server-port={free_port()}"]
-            # `serve deploy` (like KubeRay) submits through the dashboard's REST API: loopback only
-            args += [
-                "--include-dashboard=true",
-                "--dashboard-host=127.0.0.1",
-                f"--dashboard-port={self.dashboard_port}",
-            ]
-        else:
-            args += [f"--address=127.0.0.1:{self.gcs_port}"]
-        log = (self.root / f"{name}.log").open("ab")
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
-        node = Node(name, proc, temp_dir)
-        self.nodes.append(node)
-        return node
-
-    def kill(self, node: Node, sig: int = signal.SIGKILL, grace_s: float = 20) -> None:
-        """Every process of this node (its tree and anything naming its temp dir), like a pod that disappears;
-        SIGKILL for what is left after `grace_s`."""
-        pids = set(process_tree(node.proc.pid)) | set(pids_mentioning(str(node.temp_dir)))
-        signal_all(sorted(pids), sig)
-        try:
-            node.proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            signal_all(process_tree(node.proc.pid), signal.SIGKILL)
-            node.proc.wait(timeout=10)
-
-    def stop(self) -> None:
-        for node in reversed(self.nodes):
-            if node.proc.poll() is None:
-                self.kill(node, signal.SIGTERM, grace_s=3)  # `ray start --block` took 20 s to give up on its GCS
-        time.sleep(1)
-        leftovers = {p for n in self.nodes for p in pids_mentioning(str(n.temp_dir))}
-        signal_all(sorted(leftovers), signal.SIGKILL)
-
-    def get(self, path: str) -> dict:
-        response = httpx.get(f"{self.dashboard}{path}", timeout=10)
-        response.raise_for_status()
-        return response.json()
-
-    def alive_nodes(self) -> list[dict]:
-        nodes = self.get("/api/v0/nodes?limit=100")["data"]["result"]["result"]
-        return [n for n in nodes if n["state"] == "ALIVE"]
-
-    def replicas(self, app: str) -> dict[str, list[dict]]:
-        deployments = self.get("/api/serve/applications/")["applications"][app]["deployments"]
-        return {name: [r for r in d["replicas"] if r["state"] == "RUNNING"] for name, d in deployments.items()}
 
 
 @pytest.fixture
@@ -211,10 +64,7 @@ def adapted_serve_config(models_dir: Path, http_port: int, grpc_port: int) -> di
     """deploy/serve_config.yaml with only what a one-machine run must change: the models (two tiny ones taking
     the settings of one real GPU and one real CPU head configuration), the GPU one's backend (no CUDA here), and the
     HTTP and gRPC proxies on the head only (two nodes on one host cannot both listen on one port)."""
-    config = copy.deepcopy(yaml.safe_load((ROOT / "deploy" / "serve_config.yaml").read_text()))
-    config["proxy_location"] = "HeadOnly"
-    config["http_options"] = {**config["http_options"], "host": "127.0.0.1", "port": http_port}
-    config["grpc_options"] = {**config["grpc_options"], "port": grpc_port}
+    config = head_only_config(http_port, grpc_port)
     (app,) = config["applications"]
     args = app["args"]
     overrides = args["overrides"]
@@ -289,15 +139,7 @@ def test_serve_config_deploys_on_two_nodes_places_by_resources_and_recovers_a_lo
     cluster.start("gpu-node", cpus=gpu_node_cpus, gpus=gpu_node_gpus)
     wait_for("two alive nodes", lambda: len(cluster.alive_nodes()) == 2)
 
-    config_file = cluster.root / "serve_config.yaml"
-    config_file.write_text(yaml.safe_dump(config))
-    deploy = subprocess.run(
-        [str(BIN / "serve"), "deploy", str(config_file), "--address", cluster.dashboard],
-        env=cluster.env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    deploy = cluster.deploy(config)
     assert deploy.returncode == 0, deploy.stdout + deploy.stderr
 
     # every head configuration answers, through the one proxy, with the model it was asked for

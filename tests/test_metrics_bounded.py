@@ -1,5 +1,5 @@
 """Bounded metrics: the series of a replica that died leave Ray's metrics export while the live ones stay
-(service/local/ray_env.py BOUNDED_METRICS_ENV, on a real `mha-serving serve` whose model replica is SIGKILLed), and
+(service/local/ray_env.py CLUSTER_RAY_ENV, on a real `mha-serving serve` whose model replica is SIGKILLed), and
 the cluster's pods run Ray with the same settings."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import yaml
 
 from benchmarks.metrics_churn import served_and_exported, until
 from benchmarks.servers import ServerProcess
-from service.local.ray_env import BOUNDED_METRICS_ENV
+from service.local.ray_env import CLUSTER_RAY_ENV
 
 RAYSERVICE = Path(__file__).resolve().parents[1] / "deploy" / "k8s" / "base" / "rayservice.yaml"
 MODEL = "mha-h2-d32"  # in its own deployment: its replica is a process of its own
@@ -27,11 +27,11 @@ def pods() -> list[dict]:
     return [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
 
 
-def test_every_cluster_pod_runs_ray_with_the_bounded_metrics_settings():
+def test_every_cluster_pod_runs_ray_with_the_cluster_settings_bounded_metrics_among_them():
     for group in pods():
         (container,) = group["template"]["spec"]["containers"]
         env = {e["name"]: e["value"] for e in container["env"]}
-        assert BOUNDED_METRICS_ENV.items() <= env.items(), group.get("groupName", "head")
+        assert CLUSTER_RAY_ENV.items() <= env.items(), group.get("groupName", "head")
 
 
 def series_of(text: str, replica: str) -> list[str]:

@@ -25,6 +25,12 @@ BOUNDED_METRICS_ENV = {
     "RAY_SERVE_CONTROLLER_METRICS_INCLUDE_HIGH_CARDINALITY_TAGS": "0",
 }
 
+# Serve's controller replaces a dead proxy after 3 failed health checks in a row, one every this many seconds: with
+# Ray's default 10 s a node was without its proxy for ~25 s, with 2 s for ~6 s (benchmarks/cluster_faults.py).
+PROXY_HEALTH_ENV = {"RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S": "2"}
+# Every pod of the RayService sets these (deploy/k8s/base/rayservice.yaml; tests/test_metrics_bounded.py checks).
+CLUSTER_RAY_ENV = {**BOUNDED_METRICS_ENV, **PROXY_HEALTH_ENV}
+
 # Set with setdefault: the user's own values win.
 LOCAL_RAY_ENV = {
     # Ray starts its workers at nice 15: any normal process on the machine (a load generator, a build) would starve
@@ -43,7 +49,7 @@ LOCAL_RAY_ENV = {
     "RAY_ENABLE_AUTO_CONNECT": "0",
     # With --proxy: Serve's proxy checks the default request limits before it reads a body, as on a cluster.
     **PROXY_LIMITS_ENV,
-    **BOUNDED_METRICS_ENV,
+    **CLUSTER_RAY_ENV,
 }
 # With --access-log: Serve's logger writes each line to stderr too (which Ray forwards to the server's output) and at
 # once (the throughput-optimized mode buffers the request path's lines 1,000 at a time).

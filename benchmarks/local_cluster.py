@@ -1,0 +1,232 @@
+"""A real multi-node Ray cluster on this machine, started as KubeRay starts its pods (`ray start --block` per node,
+each with its own temp dir and ports, every node on 127.0.0.1) and deployed to as KubeRay does (`serve deploy` of
+deploy/serve_config.yaml through the dashboard). Shared by tests/test_deploy_cluster.py and
+benchmarks/cluster_faults.py. Only processes a cluster started are signalled, found by PID: its nodes' process trees
+and what names their temp dirs. Loopback only. No torch, no Ray imported (Ray runs in the processes it starts).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import yaml
+
+from service.http.limits import PROXY_LIMITS_ENV
+from service.local.ports import free_port
+from service.local.ray_env import CLUSTER_RAY_ENV
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent  # the venv's `ray` and `serve`, unactivated
+SERVE_CONFIG = ROOT / "deploy" / "serve_config.yaml"
+# Set to the node's temp dir in every process a node starts: Ray hands its environment down to the workers, whose
+# command lines (renamed after their actors) no longer name the temp dir.
+NODE_MARKER = "MHA_LOCAL_CLUSTER_NODE"
+
+
+# ---- processes: ours only, found by PID ----
+def child_map() -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    return children
+
+
+def process_tree(pid: int) -> list[int]:
+    children, tree, todo = child_map(), [pid], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        tree += kids
+        todo += kids
+    return tree
+
+
+def pids_mentioning(marker: str) -> list[int]:
+    """Processes whose command line names `marker` (a cluster's own, unique temp dir)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if marker.encode() in cmdline.read_bytes():
+                found.append(int(cmdline.parent.name))
+        except OSError:
+            continue
+    return found
+
+
+def pids_marked(marker: str) -> list[int]:
+    """Processes whose environment sets NODE_MARKER to `marker` (ours only: others' environments are unreadable)."""
+    entry = f"{NODE_MARKER}={marker}".encode()
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if entry in environ.read_bytes().split(b"\0"):
+                found.append(int(environ.parent.name))
+        except OSError:
+            continue
+    return found
+
+
+def signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # gone already, or not ours to signal
+            os.kill(pid, sig)
+
+
+# ---- the cluster ----
+@dataclass
+class Node:
+    """One `ray start --block` process (its Ray processes are its descendants) and its own temp dir."""
+
+    name: str
+    proc: subprocess.Popen
+    temp_dir: Path
+
+
+@dataclass
+class LocalCluster:
+    root: Path
+    nodes: list[Node] = field(default_factory=list)
+    gcs_port: int = field(default_factory=free_port)
+    dashboard_port: int = field(default_factory=free_port)
+    http_port: int = field(default_factory=free_port)
+    grpc_port: int = field(default_factory=free_port)
+    extra_env: dict[str, str] = field(default_factory=dict)  # for every node, last: wins over the settings below
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {
+            **os.environ,
+            **PROXY_LIMITS_ENV,  # as the image sets it
+            **CLUSTER_RAY_ENV,  # as deploy/k8s/base/rayservice.yaml sets it on every pod
+            "RAY_AUTH_MODE": "disabled",  # trusted local setup on 127.0.0.1 (Ray 2.60 defaults to token auth)
+            "RAY_USAGE_STATS_ENABLED": "0",
+            "RAY_health_check_period_ms": "1000",  # notice a killed node in seconds, not tens of seconds
+            "RAY_health_check_failure_threshold": "3",
+            **self.extra_env,
+        }
+
+    @property
+    def dashboard(self) -> str:
+        return f"http://127.0.0.1:{self.dashboard_port}"
+
+    def start(self, name: str, cpus: float, gpus: float, head: bool = False) -> Node:
+        temp_dir = Path(tempfile.mkdtemp(prefix=f"{name[:3]}", dir=self.root))
+        ports = {
+            "--node-manager-port": free_port(),
+            "--object-manager-port": free_port(),
+            "--metrics-export-port": free_port(),
+            "--dashboard-agent-listen-port": free_port(),
+            "--dashboard-agent-grpc-port": free_port(),
+            "--runtime-env-agent-port": free_port(),
+        }
+        args = [str(BIN / "ray"), "start", "--block", "--disable-usage-stats", "--node-ip-address=127.0.0.1"]
+        args += [f"--num-cpus={math.ceil(cpus)}", f"--num-gpus={math.ceil(gpus)}", "--object-store-memory=100000000"]
+        args += [f"--temp-dir={temp_dir}", *(f"{flag}={port}" for flag, port in ports.items())]
+        if head:
+            args += ["--head", f"--port={self.gcs_port}", f"--ray-client-server-port={free_port()}"]
+            # `serve deploy` (like KubeRay) submits through the dashboard's REST API: loopback only
+            args += [
+                "--include-dashboard=true",
+                "--dashboard-host=127.0.0.1",
+                f"--dashboard-port={self.dashboard_port}",
+            ]
+        else:
+            args += [f"--address=127.0.0.1:{self.gcs_port}"]
+        log = (self.root / f"{name}.log").open("ab")
+        env = {**self.env, NODE_MARKER: str(temp_dir)}
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        node = Node(name, proc, temp_dir)
+        self.nodes.append(node)
+        return node
+
+    def kill(self, node: Node, sig: int = signal.SIGKILL, grace_s: float = 20) -> float:
+        """Every process of this node (`processes`), like a pod that disappears; SIGKILL for what is left after
+        `grace_s`. Returns the monotonic time the signals went out."""
+        pids = self.processes(node)
+        sent = time.monotonic()
+        signal_all(sorted(pids), sig)
+        try:
+            node.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            signal_all(process_tree(node.proc.pid), signal.SIGKILL)
+            node.proc.wait(timeout=10)
+        return sent
+
+    def stop(self) -> None:
+        for node in reversed(self.nodes):
+            if node.proc.poll() is None:
+                self.kill(node, signal.SIGTERM, grace_s=3)  # `ray start --block` took 20 s to give up on its GCS
+        time.sleep(1)
+        leftovers = {p for n in self.nodes for p in self.processes(n)}
+        signal_all(sorted(leftovers), signal.SIGKILL)
+
+    def processes(self, node: Node) -> set[int]:
+        """Every process of `node`: its tree, what names its temp dir, what carries its marker."""
+        tree = process_tree(node.proc.pid) if node.proc.poll() is None else []
+        return {*tree, *pids_mentioning(str(node.temp_dir)), *pids_marked(str(node.temp_dir))}
+
+    def owns(self, pid: int) -> bool:
+        """Whether `pid` is one of this cluster's processes: one it may signal."""
+        return any(pid in self.processes(node) for node in self.nodes)
+
+    def deploy(self, config: dict, timeout_s: float = 120) -> subprocess.CompletedProcess:
+        """`serve deploy` of `config` (written next to the nodes' logs) through the head's dashboard."""
+        config_file = self.root / "serve_config.yaml"
+        config_file.write_text(yaml.safe_dump(config))
+        return subprocess.run(
+            [str(BIN / "serve"), "deploy", str(config_file), "--address", self.dashboard],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+
+    def get(self, path: str, params: list[tuple[str, str]] | None = None) -> dict:
+        response = httpx.get(f"{self.dashboard}{path}", params=params, timeout=10)
+        response.raise_for_status()
+        return response.json()
+
+    def alive_nodes(self) -> list[dict]:
+        nodes = self.get("/api/v0/nodes?limit=100")["data"]["result"]["result"]
+        return [n for n in nodes if n["state"] == "ALIVE"]
+
+    def serve_details(self) -> dict:
+        """Serve's instance details (ray.serve.schema.ServeInstanceDetails): controller, proxies, applications."""
+        return self.get("/api/serve/applications/")
+
+    def replicas(self, app: str) -> dict[str, list[dict]]:
+        deployments = self.serve_details()["applications"][app]["deployments"]
+        return {name: [r for r in d["replicas"] if r["state"] == "RUNNING"] for name, d in deployments.items()}
+
+    def actors(self, class_name: str) -> list[dict]:
+        """The alive actors of `class_name` (ServeController, ProxyActor, ...), from Ray's state API: each with its
+        `pid`, `node_id` and `actor_id`."""
+        filters = [("class_name", class_name), ("state", "ALIVE")]
+        params = [("limit", "1000")]
+        for key, value in filters:
+            params += [("filter_keys", key), ("filter_predicates", "="), ("filter_values", value)]
+        return self.get("/api/v0/actors", params)["data"]["result"]["result"]
+
+
+def head_only_config(http_port: int, grpc_port: int) -> dict:
+    """deploy/serve_config.yaml with what every cluster on one machine must change: the HTTP and gRPC proxies on the
+    head only (two nodes on one host cannot both listen on one port), on loopback and on these ports."""
+    config = copy.deepcopy(yaml.safe_load(SERVE_CONFIG.read_text()))
+    config["proxy_location"] = "HeadOnly"
+    config["http_options"] = {**config["http_options"], "host": "127.0.0.1", "port": http_port}
+    config["grpc_options"] = {**config["grpc_options"], "port": grpc_port}
+    return config
