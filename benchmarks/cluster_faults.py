@@ -26,7 +26,6 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
 from dataclasses import asdict, replace
 from datetime import datetime
 from pathlib import Path
@@ -48,6 +47,7 @@ from benchmarks.cluster_faults_analysis import (
 )
 from benchmarks.cluster_faults_load import RETRYABLE, LoadPlan, run_client
 from benchmarks.local_cluster import LocalCluster, Node, head_only_config
+from benchmarks.servers import until
 from benchmarks.soak_verdict import Line
 from contract.metadata import MODEL_FILE
 
@@ -65,19 +65,6 @@ MACHINE = (
 
 class FaultRunError(RuntimeError):
     """The run cannot go on: the cluster did not start, a fault could not be injected, the client died."""
-
-
-def until(what: str, check: Callable[[], object], timeout_s: float, every_s: float = 1.0):
-    """`check()`'s first truthy value within `timeout_s` (a check that raises is retried); FaultRunError past it."""
-    deadline, last = time.monotonic() + timeout_s, None
-    while time.monotonic() < deadline:
-        try:
-            if result := check():
-                return result
-        except Exception as exc:  # a poll that fails is retried until the deadline; the last error is reported
-            last = exc
-        time.sleep(every_s)
-    raise FaultRunError(f"timed out after {timeout_s:g} s waiting for {what} (last error: {last!r})")
 
 
 # ---- the models and the application ----
@@ -365,7 +352,7 @@ def drive(run: Run, plan: LoadPlan) -> tuple[float, float]:
             run.after = (after, time.monotonic())
     except KeyboardInterrupt:
         run.interrupted = "interrupted (Ctrl-C)"
-    except FaultRunError as exc:
+    except (FaultRunError, TimeoutError) as exc:
         run.interrupted = str(exc)
     except Exception as exc:  # a bug or an unexpected answer: what was measured so far is still reported
         traceback.print_exc()
@@ -587,7 +574,7 @@ def main(argv: list[str] | None = None) -> int:
         run.start()
         plan = replace(plan, t0=time.monotonic() + 3.0)  # the client's process is started (spawned) meanwhile
         load = drive(run, plan)
-    except FaultRunError as exc:
+    except (FaultRunError, TimeoutError) as exc:  # TimeoutError: a wait for the cluster (servers.until)
         run.interrupted = str(exc)
         print(f"cannot go on: {exc}", file=sys.stderr)
     except KeyboardInterrupt:

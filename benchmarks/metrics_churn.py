@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.servers import ServerProcess
+from benchmarks.servers import ServerProcess, until
 from contract.metadata import MODEL_FILE
 from service.local.ray_env import BOUNDED_METRICS_ENV
 
@@ -92,16 +92,6 @@ def traffic(port: int, model: str, requests: int) -> int:
     return ok
 
 
-def until(condition, timeout_s: float, what: str, every_s: float = 0.25):
-    """`condition()`'s first truthy value within `timeout_s`; RuntimeError naming `what` past it."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if value := condition():
-            return value
-        time.sleep(every_s)
-    raise RuntimeError(f"{what}: not within {timeout_s:g} s")
-
-
 def answers(port: int, model: str) -> bool:
     try:
         return traffic(port, model, 1) == 1
@@ -112,9 +102,15 @@ def answers(port: int, model: str) -> bool:
 def served_and_exported(server: ServerProcess, model: str, requests: int, seen: set[str]) -> str:
     """Once `model` answers: `requests` predicts, then wait until a replica not in `seen` shows in the export (the
     one that answered them); its id."""
-    until(lambda: answers(server.port, model), 60, f"{model} answering")
+    until(f"{model} answering", lambda: answers(server.port, model), 60, every_s=0.25, retried=())
     traffic(server.port, model, requests)
-    new = until(lambda: model_replicas(scrape(server.metrics_port)[0], model) - seen, 60, "the new replica's series")
+    new = until(
+        "the new replica's series",
+        lambda: model_replicas(scrape(server.metrics_port)[0], model) - seen,
+        60,
+        every_s=0.25,
+        retried=(),  # a failed scrape ends the run
+    )
     return sorted(new)[0]
 
 

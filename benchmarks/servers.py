@@ -16,11 +16,32 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
 
 from service.local.ports import free_port
+
+
+def until(
+    what: str,
+    check: Callable[[], object],
+    timeout_s: float,
+    every_s: float = 1.0,
+    retried: tuple[type[BaseException], ...] = (Exception,),
+):
+    """`check()`'s first truthy value within `timeout_s`, a check that raises one of `retried` tried again; past it,
+    TimeoutError naming `what` and the last such error."""
+    deadline, last = time.monotonic() + timeout_s, None
+    while time.monotonic() < deadline:
+        try:
+            if result := check():
+                return result
+        except retried as exc:
+            last = exc
+        time.sleep(every_s)
+    raise TimeoutError(f"timed out after {timeout_s:g} s waiting for {what} (last error: {last!r})")
 
 
 def descendants(pid: int) -> list[int]:

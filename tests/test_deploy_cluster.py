@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from serving import v2_tensor
 
 from benchmarks.local_cluster import LocalCluster, head_only_config
+from benchmarks.servers import until
 from contract.rpc import inference_pb2 as pb
 from contract.rpc import inference_pb2_grpc as pb_grpc
 
@@ -31,18 +31,8 @@ GPU_MODEL, CPU_MODEL = "mha-h4-d32", "mha-h2-d32"  # the conftest's tiny models
 GPU_TEMPLATE, CPU_TEMPLATE = "mha-h8-d512", "mha-h1-d512"  # real head configurations whose settings they take
 
 
-def wait_for(what: str, check: Callable[[], object], timeout_s: float = STEP_TIMEOUT_S, every_s: float = 1.0):
-    """Poll `check` until it returns something truthy; fail saying what did not happen (and the last error)."""
-    deadline, last = time.monotonic() + timeout_s, None
-    while time.monotonic() < deadline:
-        try:
-            result = check()
-            if result:
-                return result
-        except Exception as exc:  # a poll that fails is retried until the deadline; the last error is reported
-            last = exc
-        time.sleep(every_s)
-    pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what} (last error: {last!r})")
+def wait_for(what: str, check: Callable[[], object], timeout_s: float = STEP_TIMEOUT_S):
+    return until(what, check, timeout_s)
 
 
 @pytest.fixture

@@ -13,8 +13,8 @@ import httpx
 import pytest
 import yaml
 
-from benchmarks.metrics_churn import served_and_exported, until
-from benchmarks.servers import ServerProcess
+from benchmarks.metrics_churn import served_and_exported
+from benchmarks.servers import ServerProcess, until
 from service.local.ray_env import CLUSTER_RAY_ENV
 
 RAYSERVICE = Path(__file__).resolve().parents[1] / "deploy" / "k8s" / "base" / "rayservice.yaml"
@@ -62,7 +62,8 @@ def test_a_killed_replicas_series_leave_the_export_and_the_live_replicas_stay(ti
             text = export()
             return "" if series_of(text, dead) else text
 
-        text = until(without_dead, 90, f"the series of the killed replica {dead} leaving the export", every_s=1)
+        what = f"the series of the killed replica {dead} leaving the export"
+        text = until(what, without_dead, 90, every_s=1, retried=())  # a failed scrape fails the test at once
         own = [line for line in series_of(text, live) if line.startswith("ray_mha_")]
         assert own, f"the live replica {live} has no ray_mha_* series left"
         assert re.search(r'^ray_mha_requests_total\{[^}]*deployment="ingress"', text, re.M), "the ingress's are gone"
