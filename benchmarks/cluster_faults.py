@@ -47,7 +47,7 @@ from benchmarks.cluster_faults_analysis import (
 )
 from benchmarks.cluster_faults_load import RETRYABLE, LoadPlan, run_client
 from benchmarks.local_cluster import LocalCluster, Node, head_only_config
-from benchmarks.servers import until
+from benchmarks.servers import predicts_ok, until
 from benchmarks.soak_verdict import Line
 from contract.metadata import MODEL_FILE
 
@@ -122,15 +122,6 @@ def targets(config: dict) -> dict[str, int]:
 
 
 # ---- what is broken ----
-def answers(port: int, model: str) -> bool:
-    try:
-        with httpx.Client(timeout=5, trust_env=False) as client:
-            r = client.post(f"http://127.0.0.1:{port}/v1/models/{model}/predict", json={"text": "still answered?"})
-        return r.status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 def problems(cluster: LocalCluster, models: list[str], want: dict[str, int], dead: set[int]) -> list[str]:
     """What is not as it should be: the application RUNNING, each deployment HEALTHY with its target of RUNNING
     replicas on as many nodes, one controller and one proxy (HEALTHY), every model answering 200 through the proxy,
@@ -168,7 +159,7 @@ def problems(cluster: LocalCluster, models: list[str], want: dict[str, int], dea
     }
     if unhealthy:
         found.append(f"proxies {unhealthy}")
-    found += [f"{m} does not answer 200" for m in models if not answers(cluster.http_port, m)]
+    found += [f"{m} does not answer 200" for m in models if not predicts_ok(cluster.http_port, m)]
     return found
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.servers import ServerProcess, until
+from benchmarks.servers import ServerProcess, predicts_ok, until
 from contract.metadata import MODEL_FILE
 from service.local.ray_env import BOUNDED_METRICS_ENV
 
@@ -92,17 +92,10 @@ def traffic(port: int, model: str, requests: int) -> int:
     return ok
 
 
-def answers(port: int, model: str) -> bool:
-    try:
-        return traffic(port, model, 1) == 1
-    except httpx.HTTPError:
-        return False
-
-
 def served_and_exported(server: ServerProcess, model: str, requests: int, seen: set[str]) -> str:
     """Once `model` answers: `requests` predicts, then wait until a replica not in `seen` shows in the export (the
     one that answered them); its id."""
-    until(f"{model} answering", lambda: answers(server.port, model), 60, every_s=0.25, retried=())
+    until(f"{model} answering", lambda: predicts_ok(server.port, model), 60, every_s=0.25, retried=())
     traffic(server.port, model, requests)
     new = until(
         "the new replica's series",

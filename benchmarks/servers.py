@@ -44,6 +44,20 @@ def until(
     raise TimeoutError(f"timed out after {timeout_s:g} s waiting for {what} (last error: {last!r})")
 
 
+def predicts_ok(port: int, model: str, timeout_s: float = 5) -> bool:
+    """Whether one simple-JSON predict to `model` on 127.0.0.1:`port` is answered 200 within `timeout_s`."""
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/models/{model}/predict",
+        data=b'{"text": "still answered?"}',
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as answer:
+            return answer.status == 200
+    except (urllib.error.URLError, OSError):  # HTTPError (a non-2xx) is a URLError
+        return False
+
+
 def descendants(pid: int) -> list[int]:
     """`pid` and every process below it, from /proc."""
     children: dict[int, list[int]] = {}
