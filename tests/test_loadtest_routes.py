@@ -308,7 +308,7 @@ ROUTE_NAME = "classifier"
 PRIMARY, MINOR = "mha-h4-d32", "mha-h2-d32"
 SHADOW_MODEL = MINOR  # the answers of PRIMARY (90 %) are mirrored to it; its own are not
 PROTOCOLS = ("simple", "grpc")  # each protocol's answer is read in the unit tests above; two run end to end
-REQUESTS_PER_PROTOCOL = 1000
+REQUESTS_PER_PROTOCOL = 500
 
 
 def _service_has_routes() -> bool:
@@ -384,8 +384,8 @@ def test_loadtest_reports_route_shares_and_agreement(request, tmp_path):
         assert sum(r["answered_by"].values()) == r["ok"] and r["heads"] == "4|2"
     answers = sum(r["ok"] for r in levels)
     primary_share = sum(r["answered_by"].get(PRIMARY, 0) for r in levels) / answers
-    # 90/10: 2,000 answers, sd 0.67 points; within 2.5 (3.7 sd). The 2-point bar over 10,000: benchmarks/routes.py
-    assert 0.875 <= primary_share <= 0.925, primary_share
+    # 90/10: 1,000 answers, sd 0.95 points; within 3.5 (3.7 sd). The 2-point bar over 10,000: benchmarks/routes.py
+    assert 0.865 <= primary_share <= 0.935, primary_share
 
     # the agreement the report gives is the service's own: agreeing rows / rows during the run, from /metrics
     rows_after, agreeing_after = settled_shadow_counts(metrics_url)
