@@ -1,22 +1,16 @@
-"""Test support: a real Prometheus server on loopback, started from the project's deploy/prometheus.yml."""
+"""Test support: the real Prometheus of benchmarks/prometheus.py, or a skip (a failure in CI) without the binary."""
 
 from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import tempfile
-import time
-from pathlib import Path
 
-import httpx
 import pytest
-import yaml
 
-from service.local.ports import free_port
+from benchmarks import prometheus
+from benchmarks.prometheus import PROMETHEUS_YML
 
-ROOT = Path(__file__).resolve().parents[1]
-PROMETHEUS_YML = ROOT / "deploy" / "prometheus.yml"
+__all__ = ["PROMETHEUS_YML", "PrometheusServer", "require_prometheus"]
 
 
 def require_prometheus() -> str:
@@ -30,87 +24,6 @@ def require_prometheus() -> str:
     return binary
 
 
-class PrometheusServer:
-    """Starts `prometheus` with deploy/prometheus.yml, its scrape target replaced by `target`, on a free port."""
-
+class PrometheusServer(prometheus.PrometheusServer):
     def __init__(self, target: str, scrape_interval: str = "2s") -> None:
-        self.binary = require_prometheus()
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.workdir = Path(tempfile.mkdtemp(prefix="mha-prometheus-"))
-        config = yaml.safe_load(PROMETHEUS_YML.read_text())
-        config["global"]["scrape_interval"] = scrape_interval
-        config["global"]["evaluation_interval"] = scrape_interval
-        config["global"]["scrape_timeout"] = scrape_interval  # Prometheus's most: a scrape may take its whole interval
-        config["scrape_configs"][0]["static_configs"][0]["targets"] = [target]
-        rules = [PROMETHEUS_YML.parent / r for r in config.get("rule_files", [])]
-        config["rule_files"] = [str(r) for r in rules if r.exists()]
-        self.config_path = self.workdir / "prometheus.yml"
-        self.config_path.write_text(yaml.safe_dump(config))
-        self.process: subprocess.Popen | None = None
-        self._log = None
-
-    def __enter__(self) -> PrometheusServer:
-        self._log = open(self.workdir / "prometheus.log", "wb")  # closed in __exit__
-        self.process = subprocess.Popen(
-            [
-                self.binary,
-                f"--config.file={self.config_path}",
-                f"--storage.tsdb.path={self.workdir / 'data'}",
-                f"--web.listen-address=127.0.0.1:{self.port}",
-                "--web.enable-lifecycle",
-            ],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-        )
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"prometheus exited: {(self.workdir / 'prometheus.log').read_text()[-2000:]}")
-            try:
-                if httpx.get(f"{self.url}/-/ready", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.__exit__(None, None, None)
-        raise RuntimeError("prometheus did not become ready within 30 s")
-
-    def __exit__(self, *exc) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-        if self._log is not None:
-            self._log.close()
-        shutil.rmtree(self.workdir, ignore_errors=True)
-
-    def query(self, promql: str) -> list[dict]:
-        """An instant query through the HTTP API; returns the result vector."""
-        response = httpx.get(f"{self.url}/api/v1/query", params={"query": promql}, timeout=10)
-        response.raise_for_status()
-        body = response.json()
-        assert body["status"] == "success", body
-        return body["data"]["result"]
-
-    def wait_for(self, promql: str, predicate, timeout_s: float = 60.0) -> list[dict]:
-        """Poll `promql` until predicate(result) holds (bounded by timeout_s); returns the last result."""
-        deadline = time.monotonic() + timeout_s
-        result: list[dict] = []
-        while time.monotonic() < deadline:
-            result = self.query(promql)
-            if predicate(result):
-                return result
-            time.sleep(1.0)
-        raise AssertionError(
-            f"timed out after {timeout_s} s waiting on {promql!r}; last result: {result}; targets: {self.targets()}"
-        )
-
-    def targets(self) -> list[dict]:
-        """Each scrape target's health, last error and last scrape's duration (why a series may be missing)."""
-        response = httpx.get(f"{self.url}/api/v1/targets", timeout=10)
-        response.raise_for_status()
-        keys = ("scrapeUrl", "health", "lastError", "lastScrapeDuration")
-        return [{k: t.get(k) for k in keys} for t in response.json()["data"]["activeTargets"]]
+        super().__init__(target, scrape_interval, binary=require_prometheus())
