@@ -259,6 +259,18 @@ def test_podmonitors_select_head_and_worker_pods_on_the_metrics_port():
             assert ours.items() <= group["template"]["metadata"]["labels"].items(), (monitor["metadata"]["name"], name)
 
 
+def test_podmonitors_drop_the_series_ray_keeps_about_gone_replicas_as_the_local_prometheus_does():
+    local = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text())["scrape_configs"][0]
+    expected = [
+        {"action": r["action"], "sourceLabels": r["source_labels"], "regex": r["regex"]}
+        for r in local["metric_relabel_configs"]
+    ]
+    assert any("SERVE_REPLICA::" in r["regex"] for r in expected)
+    for monitor in of_kind(base_docs(), "PodMonitor"):
+        for endpoint in monitor["spec"]["podMetricsEndpoints"]:
+            assert endpoint["metricRelabelings"] == expected, monitor["metadata"]["name"]
+
+
 # ---- alert rules ----
 def rule_metric_names(rule_doc: dict) -> set[str]:
     """Metric names the rules read (recorded series, which contain ':', excluded)."""

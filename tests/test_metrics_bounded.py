@@ -1,23 +1,27 @@
 """Bounded metrics: the series of a replica that died leave Ray's metrics export while the live ones stay
-(service/local/ray_env.py CLUSTER_RAY_ENV, on a real `mha-serving serve` whose model replica is SIGKILLed), and
-the cluster's pods run Ray with the same settings."""
+(service/local/ray_env.py CLUSTER_RAY_ENV, on a real `mha-serving serve` whose model replica is SIGKILLed), what Ray
+keeps about it for good never reaches a real Prometheus run from deploy/prometheus.yml, and the cluster's pods run
+Ray with the same settings."""
 
 from __future__ import annotations
 
 import os
 import re
 import signal
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
+from prometheus import PrometheusServer
 
 from benchmarks.metrics_churn import served_and_exported
 from benchmarks.servers import ServerProcess, until
 from service.local.ray_env import CLUSTER_RAY_ENV
 
 RAYSERVICE = Path(__file__).resolve().parents[1] / "deploy" / "k8s" / "base" / "rayservice.yaml"
+CREATION_TASKS = re.compile(r'^ray_tasks\{[^}]*Name="SERVE_REPLICA::', re.M)  # Ray keeps these per replica, for good
 MODEL = "mha-h2-d32"  # in its own deployment: its replica is a process of its own
 WORKER_TIMEOUT_S = "5"  # Ray's RAY_WORKER_TIMEOUT_S (120 s by default): how long a silent worker's series are kept
 
@@ -46,7 +50,7 @@ def test_a_killed_replicas_series_leave_the_export_and_the_live_replicas_stay(ti
     monkeypatch.setenv("RAY_metrics_report_interval_ms", "1000")  # as the session's Ray (tests/serving.py)
     config = {"models_dir": str(tiny_models_dir), "models": [MODEL], "backend": "cpu"}
     config["overrides"] = {MODEL: {"placement": "deployment"}}
-    with ServerProcess(config) as server:
+    with ServerProcess(config) as server, PrometheusServer(f"127.0.0.1:{server.metrics_port}", "1s") as prom:
 
         def export() -> str:
             r = httpx.get(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=60)
@@ -67,3 +71,13 @@ def test_a_killed_replicas_series_leave_the_export_and_the_live_replicas_stay(ti
         own = [line for line in series_of(text, live) if line.startswith("ray_mha_")]
         assert own, f"the live replica {live} has no ray_mha_* series left"
         assert re.search(r'^ray_mha_requests_total\{[^}]*deployment="ingress"', text, re.M), "the ingress's are gone"
+
+        # what stays in the export for good (the dead replica's creation task, docs/operations.md) is not stored
+        assert len(CREATION_TASKS.findall(text)) >= 2, "both replicas' creation tasks are in the export"
+        exported_at = time.time()
+        prom.wait_for("timestamp(scrape_samples_scraped)", lambda r: r and float(r[0]["value"][1]) > exported_at)
+        assert prom.query('count(ray_mha_requests_total{deployment="ingress"})') and prom.query("count(ray_tasks)")
+        assert not prom.query('count_over_time(ray_tasks{Name=~"SERVE_REPLICA::.*"}[5m])')
+        assert not prom.query("count_over_time(ray_serve_request_router_queue_len[5m])")
+        (kept,) = prom.query("scrape_samples_post_metric_relabeling < scrape_samples_scraped")
+        assert float(kept["value"][1]) > 0
