@@ -76,8 +76,7 @@ def measured(metrics_port: int, scrapes: int, prom: PrometheusServer | None) -> 
     names = Counter(re.split(r"[{ ]", line, maxsplit=1)[0] for line in text.splitlines() if line[:1] not in "#")
     result = {**counts(text), "scrape_s": statistics.median(seconds), "scrape_s_max": max(seconds), "names": names}
     if prom is not None:
-        now = time.time()
-        prom.wait_for("timestamp(scrape_samples_scraped)", lambda r: r and float(r[0]["value"][1]) > now, 60)
+        prom.scraped_since(time.time())
         (stored,) = prom.query("scrape_samples_post_metric_relabeling")
         result["stored"] = int(float(stored["value"][1]))
     return result

@@ -97,6 +97,10 @@ class PrometheusServer:
             f"timed out after {timeout_s} s waiting on {promql!r}; last result: {result}; targets: {self.targets()}"
         )
 
+    def scraped_since(self, t: float, timeout_s: float = 60.0) -> None:
+        """Wait until a scrape that started after `t` (seconds since the epoch) is stored."""
+        self.wait_for("timestamp(scrape_samples_scraped)", lambda r: r and float(r[0]["value"][1]) > t, timeout_s)
+
     def targets(self) -> list[dict]:
         """Each scrape target's health, last error and last scrape's duration (why a series may be missing)."""
         response = httpx.get(f"{self.url}/api/v1/targets", timeout=10)

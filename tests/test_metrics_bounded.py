@@ -76,8 +76,7 @@ def test_a_killed_replica_leaves_the_export_live_ones_stay_and_prometheus_drops_
 
         # what stays in the export for good (the dead replica's creation task, docs/operations.md) is not stored
         assert len(CREATION_TASKS.findall(text)) >= 2, "both replicas' creation tasks are in the export"
-        exported_at = time.time()
-        prom.wait_for("timestamp(scrape_samples_scraped)", lambda r: r and float(r[0]["value"][1]) > exported_at)
+        prom.scraped_since(time.time())
         assert prom.query('count(ray_mha_requests_total{deployment="ingress"})') and prom.query("count(ray_tasks)")
         assert not prom.query('count_over_time(ray_tasks{Name=~"SERVE_REPLICA::.*"}[5m])')
         assert not prom.query("count_over_time(ray_serve_request_router_queue_len[5m])")
