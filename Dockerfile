@@ -21,7 +21,9 @@ ARG MODELS=none
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore PYTHONDONTWRITEBYTECODE=1
 WORKDIR /src
+# every package pyproject.toml installs (tests/test_image_context.py checks these lines against it)
 COPY pyproject.toml README.md ./
+COPY contract/ contract/
 COPY export/ export/
 COPY service/ service/
 COPY loadtest/ loadtest/
