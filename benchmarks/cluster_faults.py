@@ -1,6 +1,6 @@
 """`python -m benchmarks.cluster_faults`: faults of a real two-node Ray cluster under steady load (issue 28, item 3).
 
-A head and a worker node on this machine (benchmarks/local_cluster.py, as the cluster test starts them), deployed
+A head and a worker node on this machine (benchmarks/harness/cluster.py, as the cluster test starts them), deployed
 with `serve deploy` of deploy/serve_config.yaml adapted to two small models: model A co-located in the ingress, model B
 in its own deployment, two replicas of each deployment, one on each node; Serve's proxy on the head. A load client in a
 process of its own (benchmarks/cluster_faults_load.py) sends an open loop of predicts over both models to the proxy
@@ -46,8 +46,8 @@ from benchmarks.cluster_faults_analysis import (
     table,
 )
 from benchmarks.cluster_faults_load import RETRYABLE, LoadPlan, run_client
-from benchmarks.local_cluster import LocalCluster, Node, head_only_config
-from benchmarks.servers import predicts_ok, until
+from benchmarks.harness.cluster import LocalCluster, Node, head_only_config
+from benchmarks.harness.polling import predicts_ok, until
 from benchmarks.soak_verdict import Line
 from contract.metadata import MODEL_FILE
 
@@ -565,7 +565,7 @@ def main(argv: list[str] | None = None) -> int:
         run.start()
         plan = replace(plan, t0=time.monotonic() + 3.0)  # the client's process is started (spawned) meanwhile
         load = drive(run, plan)
-    except (FaultRunError, TimeoutError) as exc:  # TimeoutError: a wait for the cluster (servers.until)
+    except (FaultRunError, TimeoutError) as exc:  # TimeoutError: a wait for the cluster (polling.until)
         run.interrupted = str(exc)
         print(f"cannot go on: {exc}", file=sys.stderr)
     except KeyboardInterrupt:

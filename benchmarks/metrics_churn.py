@@ -28,8 +28,10 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.prometheus import PrometheusServer
-from benchmarks.servers import ServerProcess, predicts_ok, until
+from benchmarks.harness.exposition import export_url, scrape, series
+from benchmarks.harness.polling import predicts_ok, until
+from benchmarks.harness.prometheus import PrometheusServer
+from benchmarks.harness.server import ServerProcess
 from contract.metadata import MODEL_FILE
 from service.local.ray_env import BOUNDED_METRICS_ENV
 
@@ -51,19 +53,15 @@ MACHINE = f"the server and this client share this machine's {os.cpu_count()} CPU
 _REPLICA = re.compile(r'^ray_mha_batch_size_count\{[^}]*\breplica="([^"]+)"', re.M)
 
 
-def scrape(metrics_port: int) -> tuple[str, float]:
-    """The export's text and the seconds its GET took; HTTPStatusError unless it answered 200."""
-    start = time.perf_counter()
-    r = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=60)
-    took = time.perf_counter() - start
-    r.raise_for_status()
-    return r.text, took
-
-
 def counts(text: str) -> dict[str, int]:
     """Series (sample lines) in an exposition, the service's own among them, and its size."""
-    series = [line for line in text.splitlines() if line and not line.startswith("#")]
-    return {"series": len(series), "own": sum(line.startswith("ray_mha_") for line in series), "bytes": len(text)}
+    lines = series(text)
+    return {"series": len(lines), "own": sum(line.startswith("ray_mha_") for line in lines), "bytes": len(text)}
+
+
+def exported(metrics_port: int) -> dict[str, int]:
+    """`counts` of one scrape of the export on `metrics_port`."""
+    return counts(scrape(export_url(metrics_port))[0])
 
 
 def measured(metrics_port: int, scrapes: int, prom: PrometheusServer | None) -> dict:
@@ -71,7 +69,7 @@ def measured(metrics_port: int, scrapes: int, prom: PrometheusServer | None) -> 
     series it stored of its first scrape after these."""
     seconds = []
     for _ in range(scrapes):
-        text, took = scrape(metrics_port)
+        text, took = scrape(export_url(metrics_port))
         seconds.append(took)
     names = Counter(re.split(r"[{ ]", line, maxsplit=1)[0] for line in text.splitlines() if line[:1] not in "#")
     result = {**counts(text), "scrape_s": statistics.median(seconds), "scrape_s_max": max(seconds), "names": names}
@@ -110,7 +108,7 @@ def served_and_exported(server: ServerProcess, model: str, requests: int, seen: 
     traffic(server.port, model, requests)
     new = until(
         "the new replica's series",
-        lambda: model_replicas(scrape(server.metrics_port)[0], model) - seen,
+        lambda: model_replicas(scrape(export_url(server.metrics_port))[0], model) - seen,
         60,
         every_s=0.25,
         retried=(),  # a failed scrape ends the run
@@ -153,21 +151,19 @@ def _churn(server: ServerProcess, prom: PrometheusServer | None, args, lever: st
     time.sleep(5)  # every process's series reported a few times over
     fresh = measured(server.metrics_port, args.scrapes, prom)
     print(f"[{lever}] fresh: {fresh['series']:,} series ({fresh['own']} ray_mha_*), {fresh['scrape_s'] * 1e3:.0f} ms")
-    timeline = [{"restarts": 0, "t_s": 0.0, **counts(scrape(server.metrics_port)[0])}]
+    timeline = [{"restarts": 0, "t_s": 0.0, **exported(server.metrics_port)}]
     start = time.monotonic()
     for i in range(1, args.restarts + 1):
         os.kill(server.replica_pid(args.model), signal.SIGKILL)
         seen.add(served_and_exported(server, args.model, args.requests, seen))
-        timeline.append({"restarts": i, "t_s": time.monotonic() - start, **counts(scrape(server.metrics_port)[0])})
+        timeline.append({"restarts": i, "t_s": time.monotonic() - start, **exported(server.metrics_port)})
         if i % 10 == 0:
             print(f"[{lever}] {i} restarts, {timeline[-1]['series']:,} series, {timeline[-1]['t_s']:.0f} s", flush=True)
     right_after = measured(server.metrics_port, args.scrapes, prom)
     settle_end = time.monotonic() + args.settle
     while time.monotonic() < settle_end:  # dead replicas' series leave (lever on) or stay (off)
         time.sleep(5)
-        timeline.append(
-            {"restarts": args.restarts, "t_s": time.monotonic() - start, **counts(scrape(server.metrics_port)[0])}
-        )
+        timeline.append({"restarts": args.restarts, "t_s": time.monotonic() - start, **exported(server.metrics_port)})
     traffic(server.port, args.model, args.requests)  # the live replica's series as fresh as at the fresh measure
     time.sleep(5)
     after = measured(server.metrics_port, args.scrapes, prom)

@@ -17,10 +17,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 
-from benchmarks.servers import ServerProcess
+from benchmarks.harness.exposition import export_url, scrape
+from benchmarks.harness.server import ServerProcess
 from benchmarks.serving import (
     MODELS,
     ensure_model,
@@ -48,7 +48,7 @@ BARS = {  # the issue's bar: figure -> at most this
 
 def shadow_outcomes(metrics_port: int) -> dict[str, float]:
     """The `shadowed` route's mirrored requests so far, by outcome."""
-    text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30).text
+    text, _ = scrape(export_url(metrics_port), 30)
     return parse_counter(text, "ray_mha_shadow_requests_total", {"route": "shadowed"}, by="outcome")
 
 

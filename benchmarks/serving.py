@@ -14,7 +14,6 @@ import contextlib
 import json
 import operator
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -26,7 +25,9 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from benchmarks.servers import ServerProcess, cpu_seconds, paused, python_threads, thread_cpu
+from benchmarks.harness.polling import wait_for_http
+from benchmarks.harness.processes import cpu_seconds, paused, py_spy, python_threads, thread_cpu
+from benchmarks.harness.server import ServerProcess
 from benchmarks.stage_profile import stage_shares, table
 from contract.binary_tensors import HEADER_NAME
 from contract.metadata import MODEL_FILE, config_name
@@ -179,8 +180,7 @@ def loaded_stages(port: int, name: str, seconds: float, concurrency: int, pid: i
     requests = [post_bytes(f"/v2/models/{name}/infer", b) for b in request_bodies(64)]
     load(port, requests, concurrency, WARMUP_S)
     raw = Path(tempfile.mkdtemp(prefix="mha-profile-")) / "py-spy.txt"
-    exe = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")  # the venv's, unactivated
-    cmd = [exe, "record", "-p", str(pid), "-d", str(int(seconds)), "-r", "200", "-f", "raw", "-o", str(raw)]
+    cmd = [py_spy(), "record", "-p", str(pid), "-d", str(int(seconds)), "-r", "200", "-f", "raw", "-o", str(raw)]
     spy = subprocess.Popen([*cmd, "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     cpu_before = cpu_seconds(pid)
     loaded: LoadResult = load(port, requests, concurrency, seconds)
@@ -345,7 +345,7 @@ class PlainServer:
 
     def __enter__(self) -> PlainServer:
         try:
-            ServerProcess.wait_for_http(self.port, "/docs", 60, self._proc)
+            wait_for_http(self.port, "/docs", 60, self._proc)
         except Exception:
             self.__exit__()
             raise

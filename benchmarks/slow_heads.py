@@ -24,7 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.servers import ServerProcess
+from benchmarks.harness.processes import fd_count
+from benchmarks.harness.server import ServerProcess
 from contract.metadata import MODEL_FILE
 from service.config import RequestLimits
 
@@ -140,10 +141,6 @@ def phases(samples: list[tuple[float, float | None]], begin: float, end: float) 
     }
 
 
-def descriptors(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
-
-
 def probe_ok(phase: dict) -> bool:
     """A phase of the probe within the bar: p99 under 100 ms, and no request failed (a failure has no latency)."""
     return phase["p99_ms"] < 100 and phase["failures"] == 0
@@ -213,20 +210,20 @@ def measure(args: argparse.Namespace, limits: RequestLimits) -> dict:
         print(f"probe alone for {args.calm:g} s, then {args.connections:,} slow heads...", flush=True)
         idle, deadline = [], time.monotonic() + args.calm
         while time.monotonic() < deadline:
-            idle.append(descriptors(pid))
+            idle.append(fd_count(pid))
             time.sleep(0.1)
         give_up_s = limits.header_timeout_s + 10
         running = pool.submit(slow_client, server.port, args.connections, args.line_every, give_up_s)
         peak, shown = max(idle), time.monotonic()
         while not running.done():
-            peak = max(peak, fds := descriptors(pid))
+            peak = max(peak, fds := fd_count(pid))
             if time.monotonic() - shown >= 2:
                 print(f"  ingress replica descriptors: {fds:,}", flush=True)
                 shown = time.monotonic()
             time.sleep(0.1)
         run = running.result()
         time.sleep(max(0.0, run["end"] + AFTER_S - time.monotonic()))
-        after = descriptors(pid)
+        after = fd_count(pid)
         probe.stopping.set()
         probe.join()
     return {

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.servers import ServerProcess
+from benchmarks.harness.exposition import export_url
+from benchmarks.harness.server import ServerProcess
 from benchmarks.soak_load import PROTOCOLS, SEQ_LEN, Plan, Tally, intervals, run_client
 from benchmarks.soak_report import Samples, classes, client_row, thread_names_text, write_figures, write_report
 from benchmarks.soak_sample import TreeSampler
@@ -98,7 +99,7 @@ def soak(server: ServerProcess, plan: Plan, samples: Samples, run: Run) -> None:
     client.start()
     names = [name for name, _ in plan.models]
     try:
-        sampler = TreeSampler(server.processes()[0], client.pid, f"http://127.0.0.1:{server.metrics_port}/metrics")
+        sampler = TreeSampler(server.processes()[0], client.pid, export_url(server.metrics_port))
         print(f"capacity: closed loop c={plan.concurrency} over the mix's valid requests for {plan.capacity_s:g} s...")
         _, run.capacity, run.rate, t0 = next_message(messages, client, plan.capacity_s + 120)
         print(

@@ -8,13 +8,21 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-import urllib.error
-import urllib.request
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.servers import command_line, cpu_seconds, descendants
+import httpx
+
+from benchmarks.harness.exposition import scrape, series_count
+from benchmarks.harness.processes import (
+    command_line,
+    cpu_seconds,
+    descendants,
+    fd_count,
+    rollup_kib,
+    thread_count,
+)
 
 # Every process of the tree falls in one kind: the first whose test its command line passes, else "other" (Ray's
 # runtime-env agent, log monitor, autoscaler monitor, workers that come and go).
@@ -42,29 +50,6 @@ def process_kind(cmdline: str, is_root: bool) -> str:
     return "other"
 
 
-def status_threads(status: str) -> int:
-    """The `Threads:` count of a /proc/PID/status text."""
-    for line in status.splitlines():
-        if line.startswith("Threads:"):
-            return int(line.split()[1])
-    raise ValueError("no Threads: line in the status text")
-
-
-def rollup_kib(smaps_rollup: str) -> tuple[int, int]:
-    """(Rss, Pss) in KiB of a /proc/PID/smaps_rollup text."""
-    found = {}
-    for line in smaps_rollup.splitlines():
-        name, _, rest = line.partition(":")
-        if name in ("Rss", "Pss"):
-            found[name] = int(rest.split()[0])
-    return found.get("Rss", 0), found.get("Pss", 0)
-
-
-def series_count(exposition: str) -> int:
-    """Series in a Prometheus text exposition: the lines that are neither comments nor blank."""
-    return sum(1 for line in exposition.splitlines() if line and not line.startswith("#"))
-
-
 @dataclass(frozen=True)
 class Process:
     kind: str
@@ -77,30 +62,20 @@ class Process:
 
 def read_process(pid: int, kind: str) -> Process | None:
     """One process's figures from /proc; None once it has gone."""
-    proc = Path(f"/proc/{pid}")
     try:
-        rss, pss = rollup_kib((proc / "smaps_rollup").read_text())
-        fds = len(os.listdir(proc / "fd"))
-        threads = status_threads((proc / "status").read_text())
-        return Process(kind, rss, pss, fds, threads, cpu_seconds(pid))
+        rss, pss = rollup_kib(Path(f"/proc/{pid}/smaps_rollup").read_text())
+        return Process(kind, rss, pss, fd_count(pid), thread_count(pid), cpu_seconds(pid))
     except (OSError, ValueError):
         return None
 
 
-def scrape(url: str, timeout_s: float = 30) -> dict[str, float]:
+def scrape_figures(url: str, timeout_s: float = 30) -> dict[str, float]:
     """One GET of the metrics export: its size in bytes, series and seconds (nan each when it failed)."""
-    start = time.perf_counter()
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as r:
-            body = r.read()
-    except (urllib.error.URLError, OSError):
+        text, seconds = scrape(url, timeout_s)
+    except (httpx.HTTPError, OSError):
         return {"metrics_bytes": float("nan"), "metrics_series": float("nan"), "metrics_scrape_s": float("nan")}
-    seconds = time.perf_counter() - start
-    return {
-        "metrics_bytes": len(body),
-        "metrics_series": series_count(body.decode(errors="replace")),
-        "metrics_scrape_s": seconds,
-    }
+    return {"metrics_bytes": len(text.encode()), "metrics_series": series_count(text), "metrics_scrape_s": seconds}
 
 
 class TreeSampler:
@@ -166,5 +141,5 @@ class TreeSampler:
         row["client_cpu_pct"] = 100 * (client_cpu - self._client_cpu) / elapsed
         row["load_avg_1m"] = os.getloadavg()[0]  # the machine's: what else competed for its cores
         self._cpu, self._client_cpu, self._at = cpu, client_cpu, now
-        row.update(scrape(self.metrics_url))
+        row.update(scrape_figures(self.metrics_url))
         return row

@@ -1,4 +1,5 @@
-"""Test support: the real Prometheus of benchmarks/prometheus.py, or a skip (a failure in CI) without the binary."""
+"""Test support: the real Prometheus of benchmarks/harness/prometheus.py, or a skip (a failure in CI) without the
+binary."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import shutil
 
 import pytest
 
-from benchmarks import prometheus
-from benchmarks.prometheus import PROMETHEUS_YML
+from benchmarks.harness import prometheus
+from benchmarks.harness.prometheus import PROMETHEUS_YML
 
 __all__ = ["PROMETHEUS_YML", "PrometheusServer", "require_prometheus"]
 

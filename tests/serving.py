@@ -197,32 +197,3 @@ def serve_process(args: list[str], log: Path, ready_s: float = 180) -> Iterator[
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=90)
     assert code == 0, log.read_text()
-
-
-def descendants_named(root: int, marker: str) -> list[int]:
-    """Pids of `root`'s descendant processes whose command line contains `marker` (e.g. a Serve replica's title)."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:  # gone meanwhile
-                continue
-            parents[int(entry.name)] = int(fields[1])
-
-    def under(pid: int) -> bool:
-        while pid > 1:
-            pid = parents.get(pid, 0)
-            if pid == root:
-                return True
-        return False
-
-    found = []
-    for pid in parents:
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-        except OSError:
-            continue
-        if marker in cmdline and under(pid):
-            found.append(pid)
-    return found

@@ -2,7 +2,7 @@
 deploy/serve_config.yaml (adapted to tiny models), requests to every head configuration (HTTP, and gRPC through
 Serve's gRPC proxy), placement by Ray resources (the second node advertises a logical GPU, standing in for a GPU
 worker), and recovery after that node is killed and comes back. Only processes this test starts are stopped, by
-PID, at the end. The cluster itself is benchmarks/local_cluster.py, which benchmarks/cluster_faults.py drives too.
+PID, at the end. The cluster itself is benchmarks/harness/cluster.py, which benchmarks/cluster_faults.py drives too.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from serving import v2_tensor
 
-from benchmarks.local_cluster import LocalCluster, head_only_config
-from benchmarks.servers import until
+from benchmarks.harness.cluster import LocalCluster, head_only_config
+from benchmarks.harness.polling import until
 from contract.rpc import inference_pb2 as pb
 from contract.rpc import inference_pb2_grpc as pb_grpc
 

@@ -16,8 +16,9 @@ import pytest
 import yaml
 from prometheus import PrometheusServer
 
+from benchmarks.harness.polling import until
+from benchmarks.harness.server import ServerProcess
 from benchmarks.metrics_churn import served_and_exported
-from benchmarks.servers import ServerProcess, until
 from service.local.ray_env import CLUSTER_RAY_ENV
 
 RAYSERVICE = Path(__file__).resolve().parents[1] / "deploy" / "k8s" / "base" / "rayservice.yaml"

@@ -25,7 +25,9 @@ import httpx
 import numpy as np
 import pytest
 
-from benchmarks.servers import ServerProcess, descendants, memory_kib
+from benchmarks.harness.processes import descendants, memory_kib
+from benchmarks.harness.server import ServerProcess
+from benchmarks.harness.sockets import tcp_sockets
 from loadtest.http_client import post_bytes
 
 pytestmark = [pytest.mark.serve, pytest.mark.slow]
@@ -291,27 +293,8 @@ def test_schemathesis_finds_no_failure_over_the_whole_openapi_document(server, t
 
 
 def _listening(pids: list[int]) -> list[tuple[str, int, int]]:
-    """(address, port, pid) of every listening TCP socket of these processes, from /proc."""
-    owner = {}
-    for pid in pids:
-        try:
-            for fd in Path(f"/proc/{pid}/fd").iterdir():
-                link = os.readlink(fd)
-                if link.startswith("socket:["):
-                    owner[int(link[8:-1])] = pid
-        except OSError:  # gone meanwhile
-            continue
-    found = []
-    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
-        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] != "0A" or int(fields[9]) not in owner:  # 0A: LISTEN
-                continue
-            address, port = fields[1].split(":")
-            raw = bytes.fromhex(address)
-            raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))  # /proc prints 32-bit words
-            found.append((socket.inet_ntop(family, raw), int(port, 16), owner[int(fields[9])]))
-    return found
+    """(address, port, pid) of every listening TCP socket of these processes."""
+    return [(s.address, s.port, s.pid) for s in tcp_sockets(pids) if s.listening]
 
 
 def _is_loopback(address: str) -> bool:

@@ -17,8 +17,9 @@ import httpx
 import numpy as np
 import pytest
 import yaml
-from serving import deployed, descendants_named, free_port, serve_process, v2_tensor
+from serving import deployed, free_port, serve_process, v2_tensor
 
+from benchmarks.harness.processes import descendants_named
 from contract.rpc import inference_pb2 as pb
 from contract.rpc import inference_pb2_grpc as pb_grpc
 from service.config import Route

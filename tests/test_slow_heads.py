@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import socket
 import time
-from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 
-from benchmarks.servers import ServerProcess
+from benchmarks.harness.processes import fd_count
+from benchmarks.harness.server import ServerProcess
+from benchmarks.harness.sockets import tcp_sockets
 
 pytestmark = [pytest.mark.serve, pytest.mark.slow]
 HEADER_TIMEOUT_S = 2.0
@@ -81,20 +81,9 @@ def test_a_connection_that_sends_nothing_is_closed_at_header_timeout_s(server):
     assert answer == b"" and seconds < HEADER_TIMEOUT_S + 1
 
 
-def _descriptors(pid: int) -> list[str]:
-    return [os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
-
-
 def _connections_on(pid: int, port: int) -> int:
-    """TCP connections of process `pid` on local port `port` (its listening socket left out), from /proc."""
-    inodes = {link[8:-1] for link in _descriptors(pid) if link.startswith("socket:[")}
-    count = 0
-    for table in ("tcp", "tcp6"):
-        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
-            fields = line.split()
-            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] != "0A" and fields[9] in inodes:
-                count += 1
-    return count
+    """TCP connections of process `pid` on local port `port` (its listening socket left out)."""
+    return sum(s.port == port and not s.listening for s in tcp_sockets([pid]))
 
 
 def test_more_slow_heads_than_max_connections_leave_a_probe_answered_and_descriptors_return(server):
@@ -107,7 +96,7 @@ def test_more_slow_heads_than_max_connections_leave_a_probe_answered_and_descrip
     async def scenario() -> tuple[list[tuple[bytes, float]], list[tuple[int, float]], int, int]:
         async with httpx.AsyncClient(base_url=base, timeout=10) as probe:
             assert (await probe.post(PREDICT, json={"text": "warm"})).status_code == 200  # its connection: open
-            idle = len(_descriptors(pid))
+            idle = fd_count(pid)
             slow = asyncio.gather(*(_slow_head(server.port) for _ in range(SLOW_CONNECTIONS)))
             answered = []
             while not slow.done():
@@ -118,13 +107,13 @@ def test_more_slow_heads_than_max_connections_leave_a_probe_answered_and_descrip
             cut = await slow
         async with httpx.AsyncClient(base_url=base, timeout=10) as fresh:  # a new connection: room under the cap
             answered.append(((await fresh.get("/v2/health/live")).status_code, 0.0))
-        return cut, answered, idle, len(_descriptors(pid))
+        return cut, answered, idle, fd_count(pid)
 
     cut, answered, idle, at_end = asyncio.run(asyncio.wait_for(scenario(), 30))
     deadline = time.monotonic() + 5
     while (left := _connections_on(pid, server.port)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    after = len(_descriptors(pid))
+    after = fd_count(pid)
     statuses = [int(answer[9:12]) if answer.startswith(b"HTTP/1.1 ") else answer[:20] for answer, _ in cut]
     refused = [s for (answer, s), status in zip(cut, statuses, strict=True) if status == 503]
     timed_out = [s for (answer, s), status in zip(cut, statuses, strict=True) if status == 408]

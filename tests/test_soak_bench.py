@@ -14,16 +14,11 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from benchmarks.harness.exposition import series_count
+from benchmarks.harness.processes import rollup_kib, status_threads
 from benchmarks.soak_load import Tally, classify, interval_of, intervals
 from benchmarks.soak_report import client_row, codes, thread_names_text
-from benchmarks.soak_sample import (
-    KINDS,
-    TreeSampler,
-    process_kind,
-    rollup_kib,
-    series_count,
-    status_threads,
-)
+from benchmarks.soak_sample import KINDS, TreeSampler, process_kind
 from benchmarks.soak_verdict import slope_per_hour, verdict, windows
 
 

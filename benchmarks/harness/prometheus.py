@@ -6,15 +6,15 @@ from __future__ import annotations
 import shutil
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
 import yaml
 
+from benchmarks.harness.polling import until, wait_for_http
 from service.local.ports import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS_YML = ROOT / "deploy" / "prometheus.yml"
 
 
@@ -51,18 +51,13 @@ class PrometheusServer:
             stdout=self._log,
             stderr=subprocess.STDOUT,
         )
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"prometheus exited: {(self.workdir / 'prometheus.log').read_text()[-2000:]}")
-            try:
-                if httpx.get(f"{self.url}/-/ready", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.__exit__(None, None, None)
-        raise RuntimeError("prometheus did not become ready within 30 s")
+        try:
+            wait_for_http(self.port, "/-/ready", 30, self.process)
+        except RuntimeError as exc:
+            log = (self.workdir / "prometheus.log").read_text(errors="replace")[-2000:]
+            self.__exit__(None, None, None)
+            raise RuntimeError(f"prometheus: {exc}: {log}") from None
+        return self
 
     def __exit__(self, *exc) -> None:
         if self.process is not None and self.process.poll() is None:
@@ -86,16 +81,20 @@ class PrometheusServer:
 
     def wait_for(self, promql: str, predicate, timeout_s: float = 60.0) -> list[dict]:
         """Poll `promql` until predicate(result) holds (bounded by timeout_s); returns the last result."""
-        deadline = time.monotonic() + timeout_s
-        result: list[dict] = []
-        while time.monotonic() < deadline:
-            result = self.query(promql)
-            if predicate(result):
-                return result
-            time.sleep(1.0)
-        raise TimeoutError(
-            f"timed out after {timeout_s} s waiting on {promql!r}; last result: {result}; targets: {self.targets()}"
-        )
+        last: list[list[dict]] = [[]]
+
+        def holds() -> bool:
+            last[0] = self.query(promql)
+            return predicate(last[0])
+
+        try:
+            until(repr(promql), holds, timeout_s, retried=())  # a failed query ends the wait
+        except TimeoutError:
+            targets = self.targets()
+            raise TimeoutError(
+                f"timed out after {timeout_s} s waiting on {promql!r}; last result: {last[0]}; targets: {targets}"
+            ) from None
+        return last[0]
 
     def scraped_since(self, t: float, timeout_s: float = 60.0) -> None:
         """Wait until a scrape that started after `t` (seconds since the epoch) is stored."""

@@ -1,13 +1,12 @@
 """A real multi-node Ray cluster on this machine, started as KubeRay starts its pods (`ray start --block` per node,
 each with its own temp dir and ports, every node on 127.0.0.1) and deployed to as KubeRay does (`serve deploy` of
-deploy/serve_config.yaml through the dashboard). Shared by tests/test_deploy_cluster.py and
-benchmarks/cluster_faults.py. Only processes a cluster started are signalled, found by PID: its nodes' process trees
-and what names their temp dirs. Loopback only. No torch, no Ray imported (Ray runs in the processes it starts).
+deploy/serve_config.yaml through the dashboard). Only processes a cluster started are signalled, found by PID: its
+nodes' process trees, what names their temp dirs and what carries their marker. Loopback only. No torch, no Ray
+imported (Ray runs in the processes it starts).
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 import os
@@ -22,11 +21,12 @@ from pathlib import Path
 import httpx
 import yaml
 
+from benchmarks.harness.processes import descendants, pids_mentioning, pids_with_env, signal_all
 from service.http.limits import PROXY_LIMITS_ENV
 from service.local.ports import free_port
 from service.local.ray_env import CLUSTER_RAY_ENV
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent  # the venv's `ray` and `serve`, unactivated
 SERVE_CONFIG = ROOT / "deploy" / "serve_config.yaml"
 # Set to the node's temp dir in every process a node starts: Ray hands its environment down to the workers, whose
@@ -34,59 +34,6 @@ SERVE_CONFIG = ROOT / "deploy" / "serve_config.yaml"
 NODE_MARKER = "MHA_LOCAL_CLUSTER_NODE"
 
 
-# ---- processes: ours only, found by PID ----
-def child_map() -> dict[int, list[int]]:
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(stat.parent.name))
-    return children
-
-
-def process_tree(pid: int) -> list[int]:
-    children, tree, todo = child_map(), [pid], [pid]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        tree += kids
-        todo += kids
-    return tree
-
-
-def pids_mentioning(marker: str) -> list[int]:
-    """Processes whose command line names `marker` (a cluster's own, unique temp dir)."""
-    found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            if marker.encode() in cmdline.read_bytes():
-                found.append(int(cmdline.parent.name))
-        except OSError:
-            continue
-    return found
-
-
-def pids_marked(marker: str) -> list[int]:
-    """Processes whose environment sets NODE_MARKER to `marker` (ours only: others' environments are unreadable)."""
-    entry = f"{NODE_MARKER}={marker}".encode()
-    found = []
-    for environ in Path("/proc").glob("[0-9]*/environ"):
-        try:
-            if entry in environ.read_bytes().split(b"\0"):
-                found.append(int(environ.parent.name))
-        except OSError:
-            continue
-    return found
-
-
-def signal_all(pids: list[int], sig: int) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):  # gone already, or not ours to signal
-            os.kill(pid, sig)
-
-
-# ---- the cluster ----
 @dataclass
 class Node:
     """One `ray start --block` process (its Ray processes are its descendants) and its own temp dir."""
@@ -162,7 +109,7 @@ class LocalCluster:
         try:
             node.proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
-            signal_all(process_tree(node.proc.pid), signal.SIGKILL)
+            signal_all(descendants(node.proc.pid), signal.SIGKILL)
             node.proc.wait(timeout=10)
         return sent
 
@@ -176,8 +123,8 @@ class LocalCluster:
 
     def processes(self, node: Node) -> set[int]:
         """Every process of `node`: its tree, what names its temp dir, what carries its marker."""
-        tree = process_tree(node.proc.pid) if node.proc.poll() is None else []
-        return {*tree, *pids_mentioning(str(node.temp_dir)), *pids_marked(str(node.temp_dir))}
+        tree = descendants(node.proc.pid) if node.proc.poll() is None else []
+        return {*tree, *pids_mentioning(str(node.temp_dir)), *pids_with_env(NODE_MARKER, str(node.temp_dir))}
 
     def owns(self, pid: int) -> bool:
         """Whether `pid` is one of this cluster's processes: one it may signal."""
