@@ -21,20 +21,10 @@ import numpy as np
 
 from benchmarks.harness.exposition import export_url, scrape
 from benchmarks.harness.server import ServerProcess
-from benchmarks.serving import (
-    MODELS,
-    ensure_model,
-    ensure_variant,
-    http_loader,
-    interleaved,
-    joined,
-    load_sides,
-    paired,
-    request_bodies,
-    rounds,
-    serve_config,
-    started,
-)
+from benchmarks.models import MODELS, ensure_model, ensure_variant
+from benchmarks.serving.requests import request_bodies
+from benchmarks.serving.rounds import http_loader, interleaved, joined, load_sides, paired, rounds
+from benchmarks.serving.servers import serve_config, started
 from loadtest.http_client import post_bytes
 from loadtest.server_metrics import parse_counter
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from benchmarks.stage_profile import classify, stage_shares
+from benchmarks.serving.stages import classify, stage_shares
 from contract.metadata import ModelMetadata
 from service.batching import BatchPolicy
 from service.config import AppConfig

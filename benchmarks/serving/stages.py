@@ -1,16 +1,23 @@
-"""CPU per request by stage of the request path: py-spy samples of the ingress replica, each attributed to the
-innermost stage it recognises, scaled by the replica's CPU time per request (from /proc).
-
-Used by `python -m benchmarks.serving --profile`; `python -m benchmarks.stage_profile FILE` reads a py-spy raw file
-(`py-spy record -f raw`). No torch.
-"""
+"""CPU per request by stage of the request path: py-spy samples of the ingress replica under load, each attributed to
+the innermost stage it recognises, scaled by the replica's CPU per request (/proc). `python -m benchmarks.serving
+--profile` runs it; `python -m benchmarks.serving.stages FILE` reads a py-spy raw file (`py-spy record -f raw`)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
+import subprocess
+import sys
+import tempfile
 from collections import Counter
 from pathlib import Path
+
+from benchmarks.harness.processes import cpu_seconds, py_spy
+from benchmarks.harness.server import ServerProcess
+from benchmarks.serving.requests import request_bodies
+from benchmarks.serving.rounds import WARMUP_S
+from loadtest.http_client import LoadResult, load, post_bytes
 
 # (stage, pattern on a frame "function (file:line)"), innermost match wins; order breaks ties within a frame.
 STAGES: list[tuple[str, re.Pattern]] = [
@@ -58,8 +65,37 @@ def table(shares: dict[str, float], cpu_ms_per_request: float | None = None) -> 
     return "\n".join(lines)
 
 
+def loaded_stages(port: int, name: str, seconds: float, concurrency: int, pid: int) -> dict:
+    """Process `pid`'s CPU per request by stage (py-spy) while one model is served at c=`concurrency` for `seconds`;
+    empty if py-spy failed (it says why on stderr)."""
+    requests = [post_bytes(f"/v2/models/{name}/infer", b) for b in request_bodies(64)]
+    load(port, requests, concurrency, WARMUP_S)
+    raw = Path(tempfile.mkdtemp(prefix="mha-profile-")) / "py-spy.txt"
+    cmd = [py_spy(), "record", "-p", str(pid), "-d", str(int(seconds)), "-r", "200", "-f", "raw", "-o", str(raw)]
+    spy = subprocess.Popen([*cmd, "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    cpu_before = cpu_seconds(pid)
+    loaded: LoadResult = load(port, requests, concurrency, seconds)
+    cpu_ms = (cpu_seconds(pid) - cpu_before) * 1e3 / max(1, loaded.requests + loaded.errors)
+    _, err = spy.communicate(timeout=60)
+    if not raw.is_file():
+        print(f"py-spy failed: {err.decode(errors='replace').strip()[-300:]}", file=sys.stderr)
+        return {}
+    return {"cpu_ms_per_request": cpu_ms, "shares": stage_shares(raw.read_text())}
+
+
+def profiled(server: ServerProcess, names: dict[str, str], args, run: dict, others: list) -> None:
+    """--profile: each model measured once more with py-spy on the ingress (others paused); its stages into `run`."""
+    pid = server.replica_pid("ingress")
+    with contextlib.ExitStack() as stack:
+        for other in others:
+            stack.enter_context(other.paused())
+        for label, name in names.items():
+            if stages := loaded_stages(server.port, name, args.seconds, args.concurrency, pid):
+                run[label]["stages"] = stages
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.stage_profile", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.serving.stages", description=__doc__.splitlines()[0])
     p.add_argument("raw", type=Path, help="py-spy raw output (py-spy record -f raw)")
     p.add_argument("--cpu-ms", type=float, help="the process's CPU per request, to turn shares into microseconds")
     args = p.parse_args(argv)

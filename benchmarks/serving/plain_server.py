@@ -1,18 +1,23 @@
-"""The benchmark's reference server: plain FastAPI + uvicorn + one ORT session, no Ray, no batching.
-
-Run as `python -m benchmarks.baseline_server --models DIR --name NAME --port P`; answers the same v2 JSON. No torch.
-"""
+"""The serving benchmark's plain server: FastAPI + uvicorn + one ORT session, no Ray, no batching, answering the same
+v2 JSON; run as `python -m benchmarks.serving.plain_server --models DIR --name NAME --port P`, or started by
+`PlainServer` in a subprocess. No torch."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from benchmarks.harness.polling import wait_for_http
+from benchmarks.harness.processes import paused
+from service.local.ports import free_port
 from service.runtime import load_runtime
 
 
@@ -34,7 +39,7 @@ def make_app(models_dir: str, name: str, threads: int) -> FastAPI:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.baseline_server")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.serving.plain_server")
     p.add_argument("--models", required=True)
     p.add_argument("--name", required=True)
     p.add_argument("--port", type=int, required=True)
@@ -43,6 +48,30 @@ def main(argv: list[str] | None = None) -> int:
     app = make_app(args.models, args.name, args.threads)
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", access_log=False)
     return 0
+
+
+class PlainServer:
+    """This server in a subprocess (one thread), as a side of the rounds: `with PlainServer(models, name) as s:`."""
+
+    def __init__(self, models_dir: Path, name: str) -> None:
+        self.port = free_port()
+        cmd = [sys.executable, "-m", "benchmarks.serving.plain_server", "--models", str(models_dir), "--name", name]
+        self._proc = subprocess.Popen([*cmd, "--port", str(self.port), "--threads", "1"])
+
+    def __enter__(self) -> PlainServer:
+        try:
+            wait_for_http(self.port, "/docs", 60, self._proc)
+        except Exception:
+            self.__exit__()
+            raise
+        return self
+
+    def paused(self):
+        return paused([self._proc.pid])
+
+    def __exit__(self, *exc) -> None:
+        self._proc.terminate()
+        self._proc.wait(10)
 
 
 if __name__ == "__main__":
