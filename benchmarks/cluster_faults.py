@@ -33,6 +33,7 @@ from pathlib import Path
 import httpx
 import yaml
 
+from benchmarks.bar import Line, verdict_table
 from benchmarks.cluster_faults_analysis import (
     BACK_WITHIN_S,
     FULL_SHARE,
@@ -48,7 +49,6 @@ from benchmarks.cluster_faults_analysis import (
 from benchmarks.cluster_faults_load import RETRYABLE, LoadPlan, run_client
 from benchmarks.harness.cluster import LocalCluster, Node, head_only_config
 from benchmarks.harness.polling import predicts_ok, until
-from benchmarks.soak_verdict import Line
 from contract.metadata import MODEL_FILE
 
 APP = "mha"  # the application's name in deploy/serve_config.yaml
@@ -359,12 +359,6 @@ def drive(run: Run, plan: LoadPlan) -> tuple[float, float]:
 
 
 # ---- the report ----
-def verdict_table(lines: list[Line]) -> str:
-    out = ["| line | measured | bar | |", "| --- | --- | --- | --- |"]
-    out += [f"| {x.name} | {x.measured} | {x.bar} | {'**pass**' if x.ok else '**FAIL**'} |" for x in lines]
-    return "\n".join(out)
-
-
 def head_text(command: str, started: str, run: Run, plan: LoadPlan) -> str:
     args = run.args
     a, b = run.models

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.soak_verdict import Line
+from benchmarks.bar import Line
 
 BIN_S = 1.0
 FULL_SHARE = 0.9  # of a bin's scheduled requests answered 200 at first attempt, promptly

@@ -1,4 +1,4 @@
-"""The soak benchmark's own parts (benchmarks/soak*.py): how answers are classed and binned into intervals, how the
+"""The soak benchmark's own parts (benchmarks/soak/): how answers are classed and binned into intervals, how the
 server's processes and /proc texts are read, how each bar line is judged; and one short run of the whole against the
 tiny models. The hour itself is `python -m benchmarks.soak`."""
 
@@ -16,10 +16,10 @@ import pytest
 
 from benchmarks.harness.exposition import series_count
 from benchmarks.harness.processes import rollup_kib, status_threads
-from benchmarks.soak_load import Tally, classify, interval_of, intervals
-from benchmarks.soak_report import client_row, codes, thread_names_text
-from benchmarks.soak_sample import KINDS, TreeSampler, process_kind
-from benchmarks.soak_verdict import slope_per_hour, verdict, windows
+from benchmarks.soak.load import Tally, classify, interval_of, intervals
+from benchmarks.soak.report import client_row, codes, thread_names_text
+from benchmarks.soak.sample import KINDS, TreeSampler, process_kind
+from benchmarks.soak.verdict import slope_per_hour, verdict, windows
 
 
 @pytest.mark.parametrize(
@@ -199,7 +199,7 @@ def test_creeping_memory_leaking_descriptors_drifting_latency_and_errors_each_fa
 @pytest.mark.serve
 @pytest.mark.slow
 def test_a_short_soak_serves_the_mix_samples_every_interval_and_writes_its_report(tiny_models_dir, tmp_path):
-    from benchmarks.soak import main
+    from benchmarks.soak.run import main
 
     names = ["mha-h2-d32", "mha-h4-d32"]
     args = ["--models", str(tiny_models_dir), *(a for n in names for a in ("--model", n))]

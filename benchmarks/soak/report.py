@@ -16,9 +16,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 
-from benchmarks.soak_load import Tally, classify
-from benchmarks.soak_sample import KINDS, PER_KIND
-from benchmarks.soak_verdict import Line, Windows, percentile, windows
+from benchmarks.bar import Line, verdict_table
+from benchmarks.soak.load import Tally, classify
+from benchmarks.soak.sample import KINDS, PER_KIND
+from benchmarks.soak.verdict import Windows, percentile, windows
 
 SERVER = ("rss_mib", "pss_mib", "processes", "server_cpu_pct", "client_cpu_pct", "load_avg_1m")
 METRICS = ("metrics_bytes", "metrics_series", "metrics_scrape_s")
@@ -41,7 +42,7 @@ def codes(outcomes: Counter) -> str:
 
 
 def classes(outcomes: Counter) -> Counter:
-    """Answers counted by what they mean for the verdict (soak_load.classify)."""
+    """Answers counted by what they mean for the verdict (load.classify)."""
     out: Counter = Counter()
     for (kind, outcome), n in outcomes.items():
         out[classify(kind, outcome)] += n
@@ -210,12 +211,6 @@ def latency_table(rows: list[dict], latencies: list[dict[str, np.ndarray]], mode
             ]
             cells += [percentile(ms, 50), percentile(ms, 99)]
         out.append(f"| {model} | " + " | ".join(f"{c:,.1f} ms" for c in cells) + " |")
-    return "\n".join(out)
-
-
-def verdict_table(lines: list[Line]) -> str:
-    out = ["| line | measured | bar | |", "| --- | --- | --- | --- |"]
-    out += [f"| {x.name} | {x.measured} | {x.bar} | {'**pass**' if x.ok else '**FAIL**'} |" for x in lines]
     return "\n".join(out)
 
 

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from benchmarks.soak_sample import KINDS
+from benchmarks.bar import Line
+from benchmarks.soak.sample import KINDS
 
 MEMORY_SLOPE_PER_H = 0.01  # of the starting PSS: the RSS slope's bar
 P99_DRIFT = 0.20  # the last window's p99 may be this much above the first's
@@ -40,14 +41,6 @@ def windows(span_s: float) -> Windows:
     sixth = span_s / 6
     warmup = min(60.0, span_s / 12)
     return Windows(warmup, (warmup, warmup + sixth), (span_s - sixth, span_s), sixth)
-
-
-@dataclass(frozen=True)
-class Line:
-    name: str
-    measured: str
-    bar: str
-    ok: bool
 
 
 def slope_per_hour(t_s: Sequence[float], values: Sequence[float]) -> float:

@@ -1,10 +1,6 @@
 """`python -m benchmarks.soak`: `mha-serving serve` with the five default models under a long mixed load at a share of
-its measured capacity, sampled every few seconds (memory, descriptors and threads of its process tree, latency per
-model, answers by code, Ray's metrics export), then a report and a verdict against issue 28's soak bar.
-
-The load client runs in a process of its own (benchmarks/soak_load.py); the sampling is benchmarks/soak_sample.py,
-the bar benchmarks/soak_verdict.py, the outputs benchmarks/soak_report.py. Loopback only. No torch.
-"""
+its measured capacity, sampled every few seconds, then a report and a verdict against issue 28's soak bar: the run
+itself (the client started, the samples taken, the report's head) and its command line. Loopback only. No torch."""
 
 from __future__ import annotations
 
@@ -24,10 +20,10 @@ import numpy as np
 
 from benchmarks.harness.exposition import export_url
 from benchmarks.harness.server import ServerProcess
-from benchmarks.soak_load import PROTOCOLS, SEQ_LEN, Plan, Tally, intervals, run_client
-from benchmarks.soak_report import Samples, classes, client_row, thread_names_text, write_figures, write_report
-from benchmarks.soak_sample import TreeSampler
-from benchmarks.soak_verdict import verdict, windows
+from benchmarks.soak.load import PROTOCOLS, SEQ_LEN, Plan, Tally, intervals, run_client
+from benchmarks.soak.report import Samples, classes, client_row, thread_names_text, write_figures, write_report
+from benchmarks.soak.sample import TreeSampler
+from benchmarks.soak.verdict import verdict, windows
 from contract.metadata import CONFIG_FILE, MODEL_FILE, config_name
 from contract.settings import DEFAULT_HEADS
 
@@ -232,7 +228,3 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + text.split("## Summary")[0].strip())
     print(f"\nwrote {out}/report.md, samples.csv and {len(figures)} PNGs")
     return 0 if all(x.ok for x in lines) and not run.interrupted else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
