@@ -6,7 +6,7 @@ MODELS ?= models
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: run test lint venv export serve bench clean
+.PHONY: run test test-fast lint venv export serve bench clean
 
 $(BIN)/mha-serving: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,10 @@ test: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest
+
+## test-fast: the inner loop: the tests not marked `slow` or `serve` (no Ray Serve, no lint), under 3 min on 2 cores
+test-fast: venv
+	$(BIN)/python -m pytest -m "not slow and not serve"
 
 lint: venv
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

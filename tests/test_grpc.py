@@ -107,6 +107,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.serve
 def test_tritonclient_grpc_round_trips_ids_masks_and_text_like_ort(app):
     ids, mask = _ids(5, (4, 9)), np.ones((4, 9), dtype=np.int64)
     mask[1, 6:] = 0
@@ -121,6 +122,7 @@ def test_tritonclient_grpc_round_trips_ids_masks_and_text_like_ort(app):
     np.testing.assert_allclose(out["text_logits"], want, atol=1e-6)
 
 
+@pytest.mark.serve
 def test_typed_contents_answer_like_raw_contents(app, stub):
     ids = _ids(6, (2, 5))
     message = pb.ModelInferRequest(model_name=NAME)
@@ -144,6 +146,7 @@ def _raw(shape: list[int], data: bytes, name: str = "input_ids", datatype: str =
     return message
 
 
+@pytest.mark.serve
 def test_errors_are_grpc_status_codes_naming_the_problem_and_the_server_keeps_serving(app, stub):
     ids = _ids(7, (1, 4)).tobytes()
     extra = _raw([1, 4], ids)
@@ -176,6 +179,7 @@ def test_errors_are_grpc_status_codes_naming_the_problem_and_the_server_keeps_se
     assert list(answer.outputs[0].shape) == [1, 2]
 
 
+@pytest.mark.serve
 def test_grpc_requests_are_counted_under_their_own_endpoint(app, stub, metrics_port):
     import time
 
@@ -193,6 +197,7 @@ def test_grpc_requests_are_counted_under_their_own_endpoint(app, stub, metrics_p
     assert found and 'code="200"' in " ".join(found) and 'precision="fp32"' in found[0]
 
 
+@pytest.mark.serve
 def test_the_load_tester_measures_a_model_over_grpc(app, tmp_path):
     command = [sys.executable, "-m", "service.cli", "loadtest", "--quiet", "--url", app.base_url, "--protocol", "grpc"]
     command += ["--grpc-url", app.grpc_url, "--models", NAME, "--concurrency", "4", "--rate", "", "--duration", "1"]
@@ -204,6 +209,7 @@ def test_the_load_tester_measures_a_model_over_grpc(app, tmp_path):
     assert report["levels"][0]["ok"] > 0 and report["levels"][0]["errors"] == {}
 
 
+@pytest.mark.serve
 def test_a_grpc_load_test_names_a_refused_call_like_its_http_twin(app):
     import asyncio
 
@@ -224,6 +230,7 @@ def test_a_grpc_load_test_names_a_refused_call_like_its_http_twin(app):
     assert bad.status == 404 and "NOT_FOUND: unknown model 'mha-nope'" in json.loads(bad.body)["error"]
 
 
+@pytest.mark.serve
 def test_grpc_health_says_serving_when_ready_and_not_serving_while_draining_and_watch_is_unimplemented(app):
     from ray import serve
 

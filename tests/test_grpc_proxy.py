@@ -89,6 +89,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.serve
 def test_tritonclient_grpc_through_serves_proxy_answers_ids_and_text_like_ort(app, serve_grpc_port, tiny_models_dir):
     ids, texts = _ids(11, (3, 7)), ["through the proxy", "and another text"]
     url = f"127.0.0.1:{serve_grpc_port}"
@@ -100,6 +101,7 @@ def test_tritonclient_grpc_through_serves_proxy_answers_ids_and_text_like_ort(ap
     np.testing.assert_allclose(out["text_logits"], want, atol=1e-6)
 
 
+@pytest.mark.serve
 def test_typed_contents_through_serves_proxy_answer_like_raw_contents(app, stub, tiny_models_dir):
     ids = _ids(12, (2, 5))
     typed = pb.ModelInferRequest(model_name=NAME)
@@ -110,6 +112,7 @@ def test_typed_contents_through_serves_proxy_answer_like_raw_contents(app, stub,
         np.testing.assert_allclose(_logits(answer), want, atol=1e-6)
 
 
+@pytest.mark.serve
 def test_errors_through_serves_proxy_are_the_same_status_codes_and_messages_and_it_keeps_serving(app, stub):
     ids = _ids(13, (1, 4)).tobytes()
     hostile = {
@@ -134,6 +137,7 @@ def test_errors_through_serves_proxy_are_the_same_status_codes_and_messages_and_
     assert list(answer.outputs[0].shape) == [1, 2]
 
 
+@pytest.mark.serve
 def test_with_several_applications_serves_proxy_routes_by_the_application_key_and_refuses_a_call_without_it(
     app, stub, serve_port, tiny_models_dir
 ):
@@ -151,6 +155,7 @@ def test_with_several_applications_serves_proxy_routes_by_the_application_key_an
         assert f"unknown model {NAME!r}" in elsewhere.value.details()
 
 
+@pytest.mark.serve
 def test_calls_through_serves_proxy_are_counted_under_the_grpc_endpoint(app, stub, metrics_port):
     stub.ModelInfer(_raw([1, 4], _ids(14, (1, 4)).tobytes()), metadata=_metadata(app), timeout=30)
     with pytest.raises(grpc.RpcError):
@@ -166,6 +171,7 @@ def test_calls_through_serves_proxy_are_counted_under_the_grpc_endpoint(app, stu
     assert codes == {'code="200"', 'code="400"'}
 
 
+@pytest.mark.serve
 def test_grpc_health_watch_through_serves_proxy_is_unimplemented_as_in_the_replica(app, channel):
     health = health_pb2_grpc.HealthStub(channel)
     watch = health.Watch(health_pb2.HealthCheckRequest(), metadata=_metadata(app), timeout=30)
@@ -174,6 +180,7 @@ def test_grpc_health_watch_through_serves_proxy_is_unimplemented_as_in_the_repli
     assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED and "poll Check" in refused.value.details()
 
 
+@pytest.mark.serve
 def test_grpc_health_through_serves_proxy_says_serving_when_ready_and_not_serving_while_draining(app, channel):
     from ray import serve
 

@@ -197,6 +197,7 @@ def test_quantize_skips_a_variant_that_exists_unless_forced(untrained, tmp_path)
     assert (tmp_path / f"{untrained.name}-int8" / MODEL_FILE).stat().st_mtime_ns != written
 
 
+@pytest.mark.slow  # a CLI export with every precision: 7-9 s on 2 cores
 def test_export_with_precision_writes_each_fp32_model_and_its_variants(tmp_path):
     command = [MHA_SERVING, "export", "--out", tmp_path, "--heads", "2", "--d-model", "16", "--layers", "1"]
     command += ["--ff-dim", "32", "--max-len", "12", "--precision", "int8,fp16"]
