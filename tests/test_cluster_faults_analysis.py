@@ -1,7 +1,7 @@
-"""The cluster-faults benchmark's figures and bar (benchmarks/cluster_faults_analysis.py) on synthetic records of an
+"""The cluster-faults benchmark's figures and bar (benchmarks/cluster_faults/analysis.py) on synthetic records of an
 open loop at 10 requests/s: what counts as in flight, lost, explained by the fault or not, when the full rate is back,
 the longest gap, and the CSV the load client writes; and which answers the load client retries
-(benchmarks/cluster_faults_load.py, against an in-process transport). The faults themselves are
+(benchmarks/cluster_faults/load.py, against an in-process transport). The faults themselves are
 `python -m benchmarks.cluster_faults`.
 """
 
@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from benchmarks.cluster_faults_analysis import (
+from benchmarks.cluster_faults.analysis import (
     HOLD_BINS,
     FaultSpan,
     Record,
@@ -28,7 +28,7 @@ from benchmarks.cluster_faults_analysis import (
     steady_line,
     write_records,
 )
-from benchmarks.cluster_faults_load import Load, LoadPlan
+from benchmarks.cluster_faults.load import Load, LoadPlan
 
 RATE = 10.0
 OK = ("200", 0.05, "200", 0.05, 1)  # first outcome, its latency, last outcome, latency to the last end, attempts

@@ -2,7 +2,7 @@
 deploy/serve_config.yaml (adapted to tiny models), requests to every head configuration (HTTP, and gRPC through
 Serve's gRPC proxy), placement by Ray resources (the second node advertises a logical GPU, standing in for a GPU
 worker), and recovery after that node is killed and comes back. Only processes this test starts are stopped, by
-PID, at the end. The cluster itself is benchmarks/harness/cluster.py, which benchmarks/cluster_faults.py drives too.
+PID, at the end. The cluster itself is benchmarks/harness/cluster.py, which benchmarks/cluster_faults/ drives too.
 """
 
 from __future__ import annotations

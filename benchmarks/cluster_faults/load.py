@@ -1,7 +1,7 @@
 """The cluster-faults run's load client, in a process of its own: an open loop at a fixed rate of valid simple-JSON
 predicts (`/v1/models/{model}/predict`, the models taken in turn) to Serve's proxy, each attempt bounded by a timeout,
 each request retried after a short backoff when its answer is one a client should retry (RETRYABLE). Every request's
-record (benchmarks/cluster_faults_analysis.py's Record: the first attempt's outcome is what a client without retries
+record (analysis.Record: the first attempt's outcome is what a client without retries
 sees, the last one's what a client with retries sees) goes to a CSV file once the loop has stopped and every request
 has ended. Loopback only. No torch, nothing of `service/`.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.cluster_faults_analysis import Record, write_records
+from benchmarks.cluster_faults.analysis import Record, write_records
 
 # A connection that failed (refused, reset, closed before an answer) and the answers of a proxy or service that has
 # lost what it was talking to (500, 502, 503): retried. Inference is idempotent, so a retry is safe even when the
