@@ -12,25 +12,12 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from benchmarks import kernel_report
-from benchmarks.kernel import (
-    INT8_ZERO_POINT,
-    QUICK,
-    RUNNERS,
-    BenchConfig,
-    BoundGemm,
-    Peaks,
-    Timing,
-    forward_flops,
-    gemm_peaks,
-    geomean,
-    matmul_integer_model,
-    matmul_model,
-    parse_args,
-    run,
-    summarize,
-    time_interleaved,
-)
+from benchmarks.kernel import report as kernel_report
+from benchmarks.kernel.cli import parse_args
+from benchmarks.kernel.gemm import INT8_ZERO_POINT, BoundGemm, Peaks, gemm_peaks, matmul_integer_model, matmul_model
+from benchmarks.kernel.runs import QUICK, RUNNERS, BenchConfig, Timing, forward_flops, run
+from benchmarks.kernel.summary import geomean, summarize
+from benchmarks.kernel.timing import time_interleaved
 from export.model import EncoderConfig
 from export.quantize import Int8Plan
 

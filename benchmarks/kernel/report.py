@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from benchmarks.kernel import Timing
+    from benchmarks.kernel.runs import Timing
 
 CSV_FILE, JSON_FILE, PLOT_FILE = "kernel_bench.csv", "kernel_bench.json", "kernel_bench.png"
 LABELS = {
