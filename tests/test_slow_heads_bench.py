@@ -1,4 +1,4 @@
-"""The slow-heads benchmark's own bookkeeping (benchmarks/slow_heads.py): how a slow connection's end is told
+"""The slow-heads benchmark's own bookkeeping (benchmarks/slow_heads/): how a slow connection's end is told
 apart, how the probe's samples are split around the slow connections, and how each bar line is judged. The run
 itself is `python -m benchmarks.slow_heads`; the server's behaviour is tests/test_slow_heads.py's."""
 
@@ -8,7 +8,8 @@ import math
 
 import pytest
 
-from benchmarks.slow_heads import outcome, phases, summarize, verdicts
+from benchmarks.slow_heads.clients import outcome
+from benchmarks.slow_heads.verdict import phases, summarize, verdicts
 
 
 @pytest.mark.parametrize(
