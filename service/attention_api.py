@@ -15,6 +15,7 @@ from contract.attention_map import AttentionMapError, AttentionModel
 from contract.metadata import ATTENTION_MODEL_FILE, ModelMetadata
 from contract.tokenizer import ByteTokenizer
 from service.errors import BadRequestError, ModelNotFoundError, NotReadyError
+from service.inference import AttentionMap
 from service.model_store import without_paths
 from service.validation import texts_to_rows
 
@@ -78,17 +79,21 @@ class AttentionVariant:
         return without_paths(message, self.folder).splitlines()[0]
 
 
-def decode(request: AttentionRequest, meta: ModelMetadata) -> tuple[np.ndarray, list[str]]:
-    """The text's (1, T) ids and token labels; 400 for a layer out of range or a text over max_len."""
-    if request.layer is not None and not 0 <= request.layer < meta.layers:
+def decode(text: str, layer: int | None, meta: ModelMetadata) -> tuple[np.ndarray, list[str], list[int]]:
+    """The text's (1, T) ids, its token labels and the layers asked for; 400 for a layer out of range or a text
+    over max_len."""
+    if layer is not None and not 0 <= layer < meta.layers:
         raise BadRequestError(
-            f"layer {request.layer} is out of range: {meta.name} has {meta.layers} layer(s): 0..{meta.layers - 1}"
+            f"layer {layer} is out of range: {meta.name} has {meta.layers} layer(s): 0..{meta.layers - 1}"
         )
-    rows = texts_to_rows([request.text], meta, max_rows=1)
-    return rows.ids, ByteTokenizer(meta.max_len).tokens(request.text)
+    rows = texts_to_rows([text], meta, max_rows=1)
+    layers = list(range(meta.layers)) if layer is None else [layer]
+    return rows.ids, ByteTokenizer(meta.max_len).tokens(text), layers
 
 
-def response(request: AttentionRequest, meta: ModelMetadata, tokens: list[str], result: AttentionResult) -> dict:
+def weights_of(result: AttentionResult, meta: ModelMetadata, layers: list[int]) -> np.ndarray:
+    """The weights (len(layers), h, T, T) of `layers`; 404 for a model without its attention variant, 503 for an
+    unusable one."""
     if result.weights is None and not result.missing:
         raise NotReadyError(f"the attention variant of model {meta.name!r} cannot be used: {result.error}")
     if result.weights is None and meta.quantized_from:
@@ -101,14 +106,17 @@ def response(request: AttentionRequest, meta: ModelMetadata, tokens: list[str], 
             f"model {meta.name!r} has no attention variant ({ATTENTION_MODEL_FILE}): export it with "
             f"`mha-serving export --attention` or `mha-serving train` ({result.error})"
         )
-    layers = list(range(meta.layers)) if request.layer is None else [request.layer]
-    weights = result.weights[layers]  # (len(layers), h, T, T)
-    out: dict[str, Any] = {
+    return result.weights[layers]  # (len(layers), h, T, T)
+
+
+def response(attention: AttentionMap) -> dict[str, Any]:
+    """AttentionResponse: per layer and head, each query token's weights over the key tokens."""
+    meta = attention.metadata
+    return {
         "model": meta.name,
         "heads": meta.heads,
         "head_dim": meta.head_dim,
-        "tokens": tokens,
-        "layers": layers,
-        "weights": weights.tolist(),  # [layer][head][query token][key token]
+        "tokens": attention.tokens,
+        "layers": attention.layers,
+        "weights": attention.weights.tolist(),  # [layer][head][query token][key token]
     }
-    return out

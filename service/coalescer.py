@@ -10,11 +10,10 @@ import asyncio
 from collections import deque
 
 import numpy as np
-from ray.exceptions import RayActorError
-from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
-from service.errors import ModelQueueFullError, ReplicaLostError
+from service.errors import ModelQueueFullError
+from service.remote_calls import answer_of
 
 Waiting = tuple[np.ndarray, np.ndarray, asyncio.Future]
 
@@ -45,11 +44,18 @@ class Coalescer:
         return await future
 
     def _next_group(self) -> list[Waiting]:
-        group, rows = [self._waiting.popleft()], 0
-        rows = group[0][0].shape[0]
-        while self._waiting and rows + self._waiting[0][0].shape[0] <= self._max_rows:
+        """The oldest waiting requests that fit `max_rows`, those whose client went away (cancelled) left out; may
+        be empty when every waiting request was cancelled."""
+        group, rows = [], 0
+        while self._waiting:
+            ids, _, future = self._waiting[0]
+            if future.done():  # cancelled: its client is gone, the model need not run its rows
+                self._waiting.popleft()
+                continue
+            if group and rows + ids.shape[0] > self._max_rows:
+                break
             group.append(self._waiting.popleft())
-            rows += group[-1][0].shape[0]
+            rows += ids.shape[0]
         return group
 
     async def _send_loop(self) -> None:
@@ -58,19 +64,17 @@ class Coalescer:
             self._wake.clear()
             while self._waiting:
                 await self._slots.acquire()  # the wait list grows meanwhile: the next group takes it all
-                asyncio.get_running_loop().create_task(self._send(self._next_group()))
+                group = self._next_group()
+                if not group:
+                    self._slots.release()
+                    continue
+                asyncio.get_running_loop().create_task(self._send(group))
 
     async def _send(self, group: list[Waiting]) -> None:
         try:
-            results = await self._handle.infer_many.remote([(ids, mask) for ids, mask, _ in group])
-        except BackPressureError:
-            error = ModelQueueFullError(self.name)
-            for *_, future in group:
-                _fail(future, error)
-        except RayActorError:  # the replica died: Serve starts another, the group's requests may retry
-            for *_, future in group:
-                _fail(future, ReplicaLostError(self.name))
-        except Exception as exc:  # the model's own error (e.g. not ready) goes to every request of the group
+            call = self._handle.infer_many.remote([(ids, mask) for ids, mask, _ in group])
+            results = await answer_of(self.name, call)
+        except Exception as exc:  # a full queue, a lost replica or the model's own error: every request's answer
             for *_, future in group:
                 _fail(future, exc)
         else:

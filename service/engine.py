@@ -20,21 +20,9 @@ from service.attention_api import AttentionResult, AttentionVariant
 from service.batching import BatchPolicy, BatchResult, DynamicBatcher, merge
 from service.config import DeploymentSettings
 from service.errors import ModelFileError, NotReadyError
+from service.inference import ModelStatus
 from service.metrics import ReplicaMetrics, model_labels
 from service.runtime import Runtime, load_runtime
-
-
-@dataclass(frozen=True)
-class ModelStatus:
-    """What an engine reports: readiness (with the reason when not ready), backend and the model's metadata."""
-
-    name: str
-    ready: bool
-    reason: str
-    backend: str = ""
-    threads: int = 0
-    metadata: ModelMetadata | None = None
-
 
 # A model lighter than this (multiply-adds x 2 per token) runs on `light_model_threads` ORT threads: its runs are too
 # short for a second thread to pay for its wake-up and synchronisation (docs/benchmarks.md, "Threads").

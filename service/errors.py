@@ -27,6 +27,9 @@ class BodyTooLargeError(ServiceError):
 
     status = 413
 
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"request body of {size} bytes is over the limit of {limit} bytes")
+
     def headers(self) -> dict[str, str]:
         return {"Connection": "close"}  # the rest of the body is not read: it must not be parsed as a request
 
@@ -35,6 +38,9 @@ class BodyTimeoutError(ServiceError):
     """408: the request body did not arrive within the configured time (a slow or stalled client)."""
 
     status = 408
+
+    def __init__(self, limit_s: float, arrived: int) -> None:
+        super().__init__(f"the request body did not arrive within {limit_s:g} s ({arrived} bytes read)")
 
     def headers(self) -> dict[str, str]:
         return {"Connection": "close"}  # the rest of the body may still be coming: do not read it as a request
@@ -45,6 +51,9 @@ class HeadTimeoutError(ServiceError):
 
     status = 408
 
+    def __init__(self, limit_s: float, arrived: int) -> None:
+        super().__init__(f"the request head did not arrive within {limit_s:g} s ({arrived} bytes read)")
+
     def headers(self) -> dict[str, str]:
         return {"Connection": "close"}
 
@@ -53,6 +62,14 @@ class HeadersTooLargeError(ServiceError):
     """431: the request line and headers are over the configured size, or there are too many headers."""
 
     status = 431
+
+    @classmethod
+    def too_large(cls, limit: int) -> HeadersTooLargeError:
+        return cls(f"request headers are over the limit of {limit} bytes")
+
+    @classmethod
+    def too_many(cls, limit: int) -> HeadersTooLargeError:
+        return cls(f"more than {limit} request headers")
 
     def headers(self) -> dict[str, str]:
         return {"Connection": "close"}
@@ -83,9 +100,16 @@ class RetryLaterError(ServiceError):
 class OverCapacityError(RetryLaterError):
     """503: the server's or the model's bounded queue is full; retry later."""
 
+    @classmethod
+    def in_flight(cls, limit: int) -> OverCapacityError:
+        return cls(f"the server is over capacity ({limit} inference requests in progress); retry later")
+
 
 class TooManyConnectionsError(OverCapacityError):
     """503: the ingress replica holds its limit of connections; this one is refused and closed."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"the server holds its limit of {limit} connections; retry later")
 
     def headers(self) -> dict[str, str]:
         return {**super().headers(), "Connection": "close"}
@@ -103,6 +127,18 @@ class ReplicaLostError(RetryLaterError):
 
     def __init__(self, model: str) -> None:
         super().__init__(f"the replica of model {model!r} stopped while answering (Serve starts another); retry")
+
+
+class UnknownServiceError(ServiceError):
+    """404: a health check of a service this server does not serve."""
+
+    status = 404
+
+
+class NotServedError(ServiceError):
+    """501: an operation this server does not serve (e.g. a gRPC health Watch)."""
+
+    status = 501
 
 
 class ModelFileError(ValueError):

@@ -9,15 +9,15 @@ import asyncio
 from typing import Protocol
 
 import numpy as np
-from ray.exceptions import RayActorError
-from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from service.attention_api import AttentionResult
 from service.batching import BatchResult
 from service.coalescer import Coalescer
-from service.engine import ModelEngine, ModelStatus
-from service.errors import ModelQueueFullError, ReplicaLostError
+from service.engine import ModelEngine
+from service.errors import ModelQueueFullError
+from service.inference import ModelStatus
+from service.remote_calls import answer_of
 
 STATUS_TIMEOUT_S = 5.0  # a model deployment without a live replica answers nothing; say so instead of hanging
 
@@ -66,10 +66,6 @@ class Colocated:
         return await self._engine.attention(ids)
 
 
-async def _awaited(response):
-    return await response
-
-
 class Remote:
     """The model's own deployment; requests waiting here go as one Ray call per group when `coalesce` is on."""
 
@@ -83,7 +79,7 @@ class Remote:
     async def status(self) -> ModelStatus:
         """Ask the model's replica (live); a replica that does not answer is reported as not ready."""
         try:
-            return await asyncio.wait_for(_awaited(self._handle.status.remote()), STATUS_TIMEOUT_S)
+            return await asyncio.wait_for(answer_of(self.name, self._handle.status.remote()), STATUS_TIMEOUT_S)
         except TimeoutError:
             reason = f"no replica answered within {STATUS_TIMEOUT_S:g} s (starting, or failed at start: `serve status`)"
             return ModelStatus(self.name, False, reason)
@@ -92,27 +88,17 @@ class Remote:
         """`alone` says nothing here: the model's replica sees its own queue."""
         if self._coalescer is not None:
             return await self._coalescer.infer(ids, mask)
-        try:
-            return await self._handle.infer.remote(ids, mask)
-        except BackPressureError as exc:
-            raise ModelQueueFullError(self.name) from exc
-        except RayActorError as exc:
-            raise ReplicaLostError(self.name) from exc
+        return await answer_of(self.name, self._handle.infer.remote(ids, mask))
 
     async def spare_infer(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray | None:
         """Its replica runs it only while it has no work of its own, and stops it when some comes."""
         try:
-            return await self._handle.spare_infer.remote(ids, mask)
-        except BackPressureError:  # its replica is full: no spare capacity
+            return await answer_of(self.name, self._handle.spare_infer.remote(ids, mask))
+        except ModelQueueFullError:  # its replica is full: no spare capacity
             return None
-        except RayActorError as exc:
-            raise ReplicaLostError(self.name) from exc
 
     def preempt(self) -> None:
         """Nothing to do here: its replica stops a mirrored run when work of its own arrives."""
 
     async def attention(self, ids: np.ndarray) -> AttentionResult:
-        try:
-            return await self._handle.attention.remote(ids)
-        except RayActorError as exc:
-            raise ReplicaLostError(self.name) from exc
+        return await answer_of(self.name, self._handle.attention.remote(ids))

@@ -14,6 +14,8 @@ import numpy as np
 from contract.metadata import ModelMetadata
 from contract.tokenizer import ByteTokenizer, SequenceTooLongError
 from service.errors import BadRequestError
+from service.inference import InferenceRequest
+from service.limits import check_row_count
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 Schema = dict[str, Any]
@@ -123,8 +125,7 @@ def check_rows(ids: np.ndarray, mask: np.ndarray | None, meta: ModelMetadata, ma
     """Check (B, T) ids (and mask, default all ones) against the model: sizes, max_len, vocabulary, padding."""
     if ids.shape[0] == 0 or ids.shape[1] == 0:
         raise BadRequestError(f"input_ids is empty (shape {list(ids.shape)}): send at least one token")
-    if ids.shape[0] > max_rows:
-        raise BadRequestError(f"{ids.shape[0]} sequences in one request, over the limit of {max_rows}")
+    check_row_count(ids.shape[0], max_rows)
     if ids.shape[1] > meta.max_len:
         raise BadRequestError(f"sequence length {ids.shape[1]} is over the model's max_len={meta.max_len}")
     if _unsigned_max(ids) >= meta.vocab_size:  # one pass: a negative id is above every id as unsigned
@@ -155,8 +156,7 @@ def texts_to_rows(texts: list[str], meta: ModelMetadata, max_rows: int) -> Rows:
         raise BadRequestError(f"model {meta.name!r} takes token ids only (tokenizer {meta.tokenizer!r}), not text")
     if not texts:
         raise BadRequestError("no texts given: send at least one")
-    if len(texts) > max_rows:
-        raise BadRequestError(f"{len(texts)} texts in one request, over the limit of {max_rows}")
+    check_row_count(len(texts), max_rows, "texts")
     if not all(isinstance(t, str) for t in texts):
         raise BadRequestError("texts must be strings")
     try:
@@ -166,8 +166,8 @@ def texts_to_rows(texts: list[str], meta: ModelMetadata, max_rows: int) -> Rows:
     return Rows(np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.int64))
 
 
-def ragged_to_rows(rows: list[list[int]], meta: ModelMetadata, max_rows: int) -> Rows:
-    """Token-id rows of different lengths -> padded ids and mask (simple JSON API without attention_mask)."""
+def ragged(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Token-id rows of different lengths -> padded (B, T) ids and mask (the simple API without attention_mask)."""
     if not rows or not all(isinstance(r, list) for r in rows):
         raise BadRequestError("input_ids must be a non-empty list of token-id lists")
     width = max(len(r) for r in rows)
@@ -178,4 +178,13 @@ def ragged_to_rows(rows: list[list[int]], meta: ModelMetadata, max_rows: int) ->
             raise BadRequestError(f"row {i} of input_ids is empty")
         ids[i, : len(row)] = int_matrix("input_ids", [row])[0]
         mask[i, : len(row)] = 1
-    return check_rows(ids, mask, meta, max_rows)
+    return ids, mask
+
+
+def rows_of(request: InferenceRequest, meta: ModelMetadata, max_rows: int) -> Rows:
+    """A decoded request's rows for this model: its texts tokenized, or its ids and mask checked."""
+    if request.texts is not None:
+        return texts_to_rows(request.texts, meta, max_rows)
+    if request.ids is None:
+        raise BadRequestError("the request has neither token ids nor texts")
+    return check_rows(request.ids, request.mask, meta, max_rows)

@@ -49,7 +49,7 @@ def start_ray_and_serve(metrics_port: int | None = None, grpc_port: int | None =
 
     from service.http.limits import PROXY_LIMITS_ENV
     from service.local.ray_env import CLUSTER_RAY_ENV, RAY_ON_LOOPBACK
-    from service.rpc.server import SERVE_SERVICERS
+    from service.rpc.servicers import SERVE_SERVICERS
 
     port = free_port()
     # Ray exports metrics every 10 s by default; 1 s keeps the metrics tests short (Ray's processes inherit it).

@@ -109,7 +109,7 @@ def test_serves_grpc_proxy_takes_the_services_the_ingress_answers_and_can_import
 
     from contract.rpc import inference_pb2 as pb
     from service.ingress import Ingress
-    from service.rpc.server import SERVE_SERVICERS
+    from service.rpc.servicers import SERVE_SERVICERS
 
     options = gRPCOptions(**serve_config()["grpc_options"])
     assert options.grpc_servicer_functions == SERVE_SERVICERS and len(options.grpc_servicer_func_callable) == 2

@@ -1,4 +1,4 @@
-"""The ingress's own HTTP server and the one uvicorn adapter (service/http/head_limits.py) on a real uvicorn on
+"""The ingress's own HTTP server and the one uvicorn adapter (service/http/uvicorn_adapter.py) on a real uvicorn on
 loopback: heads over the limits refused as they arrive, slow heads and silent connections cut at header_timeout_s,
 idle keep-alive bounded, connections over the cap refused, each counted; a request cancelled when its client
 leaves, requests in progress counted from their head, the replica's signals left alone; a response's writes
@@ -14,7 +14,7 @@ import signal
 import time
 
 from service.config import RequestLimits
-from service.http.head_limits import CoalescedWrites
+from service.http.uvicorn_adapter import CoalescedWrites
 from service.http.server import HttpServer
 from service.local.ports import free_port
 
@@ -276,8 +276,8 @@ def test_a_connection_over_max_connections_gets_a_json_503_with_retry_after_and_
         for _, w in held:
             w.close()
         await asyncio.sleep(0.2)
-        server.refresh_metrics()  # what the ingress calls every second: adds what was counted since, if anything
-        server.refresh_metrics()
+        server.connection_metrics.refresh()  # what the data plane calls every second: adds what was counted since
+        server.connection_metrics.refresh()
         return refused, served, open_at_cap, server.connection_metrics.refused, server.open_connections()
 
     refused, served, open_at_cap, count, open_after = asyncio.run(scenario())

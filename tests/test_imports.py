@@ -104,7 +104,7 @@ def test_only_the_one_adapter_reaches_into_uvicorn_or_ray_internals():
         if any(n.startswith(private) for n in names)
     }
     assert reaching == {
-        "service/http/head_limits.py": [
+        "service/http/uvicorn_adapter.py": [
             "uvicorn.protocols.http.httptools_impl",
             "uvicorn.protocols.http.httptools_impl.HttpToolsProtocol",
         ]

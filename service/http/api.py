@@ -1,16 +1,15 @@
-"""The one ASGI application: every route, declared once per protocol, over the ingress (service/ingress.py); the
-one mapping of errors to responses; request limits as middleware; the completed OpenAPI document. No torch.
+"""The one ASGI application over the data plane (service/dataplane.py): every route, declared once per protocol; the
+one mapping of errors to responses; request limits as middleware. No torch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
@@ -18,32 +17,32 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from service import attention_api, openapi
+from service.dataplane import DataPlane
 from service.errors import ServiceError
+from service.http import inference, openapi_doc
+from service.http.inference import describe_errors
 from service.http.limits import RequestLimitsMiddleware
 from service.protocol import simple, v2
 from service.responses import error_response, json_response
 from service.validation import Bounds
-
-if TYPE_CHECKING:
-    from service.ingress import Ingress
 
 # FastAPI's own OpenTelemetry instrumentation asks the global providers on every request whether it is configured;
 # the service's metrics go through Ray's Prometheus export instead.
 NO_TELEMETRY = {"tracing": False, "metrics": False, "logs": False}
 
 
-def create_app(ingress: Ingress) -> FastAPI:
+def create_app(plane: DataPlane) -> FastAPI:
     description = "Multi-head attention classifiers on ONNX Runtime."
     # The document and its pages are routes of ours: the document states the served models' limits, known once
     # they load (an await), which FastAPI's own synchronous `openapi()` cannot wait for.
     pages = {"openapi_url": None, "docs_url": None, "redoc_url": None}
     app = FastAPI(title="mha-serving", description=description, telemetry=NO_TELEMETRY, **pages)
-    app.add_middleware(RequestLimitsMiddleware, limits=ingress.limits)
+    app.add_middleware(RequestLimitsMiddleware, limits=plane.limits)
     _map_errors(app)
-    _inference_routes(app, ingress)  # first: the router tries routes in order
-    _v2_routes(app, ingress)
-    _v1_routes(app, ingress)
-    _document_routes(app, ingress)
+    _inference_routes(app, plane)  # first: the router tries routes in order
+    _v2_routes(app, plane)
+    _v1_routes(app, plane)
+    openapi_doc.add_routes(app, plane, lambda names, bounds: document(app, names, bounds))
     return app
 
 
@@ -67,15 +66,6 @@ def _map_errors(app: FastAPI) -> None:
     app.add_exception_handler(HTTPException, http_error)
 
 
-def describe_errors(errors: list) -> str:
-    """pydantic's errors in one line: where and what, the first five."""
-    problems = []
-    for err in errors[:5]:
-        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
-        problems.append(f"{where}: {err.get('msg', 'invalid')}")
-    return "; ".join(problems)
-
-
 @dataclass(frozen=True)
 class InferenceRoute:
     """An inference route: served as a plain Starlette route (its handler reads the path itself, so FastAPI solves
@@ -83,7 +73,7 @@ class InferenceRoute:
 
     name: str
     path: str
-    handle: Callable[[Ingress, Request, dict[str, str]], Awaitable[Response]]
+    handle: Callable[[DataPlane, Request, dict[str, str]], Awaitable[Response]]
     body: type[BaseModel]
     answer: type[BaseModel]
 
@@ -92,32 +82,32 @@ INFERENCE_ROUTES = (
     InferenceRoute(
         "infer",
         "/v2/models/{name}/infer",
-        lambda ingress, request, path: ingress.infer(request, path["name"]),
+        lambda plane, request, path: inference.v2_infer(plane, request, path["name"]),
         v2.InferRequest,
         v2.InferResponse,
     ),
     InferenceRoute(
         "infer_version",
         "/v2/models/{name}/versions/{version}/infer",
-        lambda ingress, request, path: ingress.infer(request, path["name"], path["version"]),
+        lambda plane, request, path: inference.v2_infer(plane, request, path["name"], path["version"]),
         v2.InferRequest,
         v2.InferResponse,
     ),
     InferenceRoute(
         "predict",
         "/v1/models/{name}/predict",
-        lambda ingress, request, path: ingress.predict(request, path["name"]),
+        lambda plane, request, path: inference.predict(plane, request, path["name"]),
         simple.PredictRequest,
         simple.PredictResponse,
     ),
 )
 
 
-def _inference_routes(app: FastAPI, ingress: Ingress) -> None:
+def _inference_routes(app: FastAPI, plane: DataPlane) -> None:
     for route in INFERENCE_ROUTES:
 
         async def endpoint(request: Request, handle=route.handle) -> Response:
-            return await handle(ingress, request, request.path_params)
+            return await handle(plane, request, request.path_params)
 
         app.add_route(route.path, endpoint, methods=["POST"], name=route.name)
 
@@ -148,7 +138,7 @@ def _inference_docs() -> list[APIRoute]:
     return docs
 
 
-def _v2_routes(app: FastAPI, ingress: Ingress) -> None:
+def _v2_routes(app: FastAPI, plane: DataPlane) -> None:
     """The Open Inference Protocol v2's health and metadata routes."""
 
     @app.get("/v2/health/live", responses=openapi.responses(v2.Live))
@@ -157,35 +147,48 @@ def _v2_routes(app: FastAPI, ingress: Ingress) -> None:
 
     @app.get("/v2/health/ready", responses=openapi.responses(v2.Ready, 503))
     async def ready() -> Response:
-        return await ingress.ready()
+        why = await plane.not_ready()
+        return json_response({"ready": True}) if why is None else json_response({"ready": False, "error": why}, 503)
 
     @app.get("/v2", responses=openapi.responses(v2.ServerMetadata))
     async def server_metadata() -> Response:
-        return json_response(ingress.server_metadata())
+        return json_response(v2.server_metadata(plane.server_name))
 
     @app.get("/v2/models/{name}", responses=openapi.responses(v2.ModelMetadataResponse, 404, 503))
     async def model_metadata(name: str) -> Response:
-        return json_response(await ingress.model_metadata(name))
+        return await _model_metadata(plane, name)
 
     @app.get("/v2/models/{name}/versions/{version}", responses=openapi.responses(v2.ModelMetadataResponse, 404, 503))
     async def model_version_metadata(name: str, version: str) -> Response:
-        return json_response(await ingress.model_metadata(name, version))
+        return await _model_metadata(plane, name, version)
 
     @app.get("/v2/models/{name}/ready", responses=openapi.responses(v2.ModelReady, 404, 503))
     async def model_ready(name: str) -> Response:
-        return await ingress.model_ready(name)
+        return await _model_ready(plane, name)
 
     @app.get("/v2/models/{name}/versions/{version}/ready", responses=openapi.responses(v2.ModelReady, 404, 503))
     async def model_version_ready(name: str, version: str) -> Response:
-        return await ingress.model_ready(name, version)
+        return await _model_ready(plane, name, version)
 
 
-def _v1_routes(app: FastAPI, ingress: Ingress) -> None:
+async def _model_metadata(plane: DataPlane, name: str, version: str | None = None) -> Response:
+    """v2 metadata of a model, or of a route (its heaviest target's, under the route's name)."""
+    return json_response({**v2.model_metadata(await plane.metadata(name, version)), "name": name})
+
+
+async def _model_ready(plane: DataPlane, name: str, version: str | None = None) -> Response:
+    status = await plane.model_status(name, version)
+    if not status.ready:
+        return json_response({"name": name, "ready": False, "error": status.reason}, 503)
+    return json_response({"name": name, "ready": True})
+
+
+def _v1_routes(app: FastAPI, plane: DataPlane) -> None:
     """The simple JSON API's model list and attention (predict is with the inference routes)."""
 
     @app.get("/v1/models", responses=openapi.responses(simple.ModelList))
     async def list_models() -> Response:
-        return json_response(await ingress.list_models())
+        return json_response(simple.model_list(await plane.listing()))
 
     @app.post(
         "/v1/models/{name}/attention",
@@ -194,36 +197,7 @@ def _v1_routes(app: FastAPI, ingress: Ingress) -> None:
     )
     async def attention(name: str, request: Request) -> Response:
         """Per-layer, per-head attention weights of one text (from model.attn.onnx, opened on first use)."""
-        return await ingress.attention(request, name)
-
-
-def _document_routes(app: FastAPI, ingress: Ingress) -> None:
-    """The OpenAPI document, Swagger UI and ReDoc, where FastAPI serves them."""
-
-    @app.get("/openapi.json", include_in_schema=False)
-    async def openapi_json() -> Response:
-        return json_response(await served_document(app, ingress))
-
-    @app.get("/docs", include_in_schema=False)
-    async def swagger() -> Response:
-        return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{app.title} - Swagger UI")
-
-    @app.get("/redoc", include_in_schema=False)
-    async def redoc() -> Response:
-        return get_redoc_html(openapi_url="/openapi.json", title=f"{app.title} - ReDoc")
-
-
-async def served_document(app: FastAPI, ingress: Ingress) -> dict[str, Any]:
-    """The document within the served models' limits; kept once every model has loaded (metadata never changes),
-    built afresh until then from those that have."""
-    if app.openapi_schema is None:
-        statuses = [await ingress.model_status(name) for name in ingress.model_names]
-        loaded = [s.metadata for s in statuses if s.ready and s.metadata is not None]
-        built = document(app, ingress.served_names, Bounds.of(ingress.limits.max_rows, loaded))
-        if len(loaded) < len(statuses):
-            return built
-        app.openapi_schema = built
-    return app.openapi_schema
+        return await inference.attention(plane, request, name)
 
 
 def document(app: FastAPI, model_names: list[str], bounds: Bounds) -> dict[str, Any]:

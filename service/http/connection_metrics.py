@@ -7,7 +7,7 @@ from __future__ import annotations
 
 
 class ConnectionMetrics:
-    """Counted by the server's protocol (service/http/head_limits.py) as plain integers, totals since start;
+    """Counted by the server's protocol (service/http/uvicorn_adapter.py) as plain integers, totals since start;
     `refresh` adds what was counted since the last refresh to Ray's counters and sets the gauge again (Ray drops a
     gauge value not set within two export intervals: service/metrics.py GAUGE_REFRESH_S)."""
 
@@ -16,6 +16,7 @@ class ConnectionMetrics:
         # environment, and Ray reads that environment once, when first imported.
         from ray.serve.metrics import Counter, Gauge
 
+        self.open = 0  # connections open now, refused ones still closing included
         self.header_timeouts = 0  # connections whose head did not arrive within header_timeout_s
         self.refused = 0  # connections refused over max_connections
         self._exported_timeouts = self._exported_refused = 0
@@ -34,8 +35,8 @@ class ConnectionMetrics:
             description="Connections open to the ingress's own HTTP server, refused ones still closing included.",
         )
 
-    def refresh(self, open_connections: int) -> None:
-        self._open_gauge.set(open_connections)
+    def refresh(self) -> None:
+        self._open_gauge.set(self.open)
         timeouts, refused = self.header_timeouts, self.refused  # the protocol runs on this loop: no race
         if timeouts > self._exported_timeouts:
             self._timeouts_counter.inc(timeouts - self._exported_timeouts)

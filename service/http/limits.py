@@ -1,35 +1,34 @@
-"""Request limits inside the application: an ASGI middleware refusing a head or an announced body over the limits
-before any route runs, and the body read within its size and time limits. No torch.
+"""The request limits (service/limits.py) on the ASGI side: a middleware refusing a head or an announced body over
+the limits before any route runs (where Serve's proxy parsed the head), Serve's proxy hook installing it, and a
+Starlette request's body read within the limits. No torch.
 """
 
 from __future__ import annotations
 
-import asyncio
 import os
 from typing import Any
 
 from starlette.middleware import Middleware
 from starlette.requests import Request
 
+from service import limits as check
 from service.config import RequestLimits
-from service.errors import BodyTimeoutError, ServiceError
-from service.http.head_limits import HEAD_CHECKED, body_too_large, head_too_large, too_many_headers
+from service.errors import ServiceError
+from service.http.uvicorn_adapter import HEAD_CHECKED
 from service.responses import error_response
 
 
 def over_limits(scope: dict[str, Any], limits: RequestLimits) -> ServiceError | None:
     """The error for a request whose head or announced body is over the limits, before a byte of the body is read.
-    The ingress's own server refuses heads as they arrive (service/http/head_limits.py) and marks the scope
+    The ingress's own server refuses heads as they arrive (service/http/uvicorn_adapter.py) and marks the scope
     HEAD_CHECKED; this checks what came through Serve's proxy once its head is parsed."""
     headers = scope["headers"]
-    if not scope.get(HEAD_CHECKED):
-        if len(headers) > limits.max_headers:
-            return too_many_headers(limits.max_headers)
-        if sum(len(k) + len(v) + 4 for k, v in headers) + len(scope.get("raw_path") or b"") > limits.max_header_bytes:
-            return head_too_large(limits.max_header_bytes)
-    length = dict(headers).get(b"content-length")
-    if length is not None and length.isdigit() and int(length) > limits.max_body_bytes:
-        return body_too_large(int(length), limits.max_body_bytes)
+    try:
+        if not scope.get(HEAD_CHECKED):
+            check.check_head(headers, scope.get("raw_path") or b"", limits)
+        check.check_announced_body(dict(headers).get(b"content-length"), limits)
+    except ServiceError as refusal:
+        return refusal
     return None
 
 
@@ -61,18 +60,5 @@ def proxy_middlewares() -> list[Middleware]:
 
 
 async def read_body(request: Request, limits: RequestLimits) -> bytes:
-    """The whole body, refused as soon as more than `max_body_bytes` have arrived, chunked or not (413), or when it
-    has not all arrived within `body_timeout_s` (408: a slow client must not hold its slot for long)."""
-    chunks, size = [], 0
-    try:
-        async with asyncio.timeout(limits.body_timeout_s):
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limits.max_body_bytes:
-                    raise body_too_large(size, limits.max_body_bytes) from None
-                chunks.append(chunk)
-    except TimeoutError:
-        raise BodyTimeoutError(
-            f"the request body did not arrive within {limits.body_timeout_s:g} s ({size} bytes read)"
-        ) from None
-    return b"".join(chunks)
+    """The request's whole body, within max_body_bytes and body_timeout_s (413, 408)."""
+    return await check.read_body(request.stream(), limits)

@@ -1,31 +1,23 @@
-"""The ingress replica's own HTTP server: a stock uvicorn server (public `uvicorn.Config` / `Server` options) on the
-replica's event loop, serving the service's ASGI application on `ingress.port`, so that no proxy and no per-request
-Serve wrapper stand between a client and the application. No torch.
+"""The ingress replica's own HTTP server: a stock uvicorn server (public `uvicorn.Config` options, the protocol and
+signal handling from service/http/uvicorn_adapter.py) on the replica's event loop, serving the service's ASGI
+application on `ingress.port`, so that no proxy and no per-request Serve wrapper stand between a client and the
+application. No torch.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import socket
-from collections.abc import Iterator
 
 import uvicorn
 
 from service.config import RequestLimits
-from service.http import head_limits
+from service.http import uvicorn_adapter
 from service.http.connection_metrics import ConnectionMetrics
+from service.load import Load
 
 KEEP_ALIVE_S = 30  # idle keep-alive connections are closed after this (uvicorn's default 5 s cut load generators off)
-
-
-class _ReplicaServer(uvicorn.Server):
-    """uvicorn's server, except that it leaves signals alone: the replica's signals are Ray's."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
 
 
 def _listening_socket(host: str, port: int) -> socket.socket:
@@ -72,7 +64,8 @@ class AccessLog:
 
 class HttpServer:
     """One uvicorn server over `app`, started on the running event loop; bound at construction, so a port that
-    cannot be had fails the replica's start, saying why. Its connections are counted in `connection_metrics`."""
+    cannot be had fails the replica's start, saying why. Its requests in progress are counted in `load` (from their
+    head), its connections in `connection_metrics`."""
 
     def __init__(
         self,
@@ -82,11 +75,14 @@ class HttpServer:
         limits: RequestLimits,
         access_log: bool = False,
         keep_alive_s: int = KEEP_ALIVE_S,
+        load: Load | None = None,
     ) -> None:
         self.connection_metrics = ConnectionMetrics()
+        self.load = load if load is not None else Load()
+        self.load.counting = True
         config = uvicorn.Config(
             AccessLog(app) if access_log else app,
-            http=head_limits.protocol(limits, self.connection_metrics),
+            http=uvicorn_adapter.protocol(limits, self.connection_metrics, self.load),
             lifespan="off",
             log_config=None,
             access_log=False,  # uvicorn's own access logger is reconfigured by Serve in a replica: AccessLog instead
@@ -94,22 +90,17 @@ class HttpServer:
             server_header=False,
             proxy_headers=False,  # it faces clients itself: no X-Forwarded-* rewriting of every request's scope
         )
-        self._server = _ReplicaServer(config)
+        self._server = uvicorn_adapter.SignalFreeServer(config)
         self._socket = _listening_socket(host, port)
         self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[self._socket]))
 
     def requests_in_progress(self) -> int:
-        """Requests whose head was read and whose response is not complete yet, every connection's: each has its
-        task from the moment its head is parsed, before the event loop runs any of them."""
-        return len(self._server.server_state.tasks)
+        """Requests whose head was read and whose response is not complete yet, every connection's."""
+        return self.load.arrived
 
     def open_connections(self) -> int:
         """Connections open now, refused ones still closing included."""
-        return len(self._server.server_state.connections)
-
-    def refresh_metrics(self) -> None:
-        """Export the connection metrics; the ingress calls it from its periodic metrics refresh."""
-        self.connection_metrics.refresh(self.open_connections())
+        return self.connection_metrics.open
 
     def check(self) -> None:
         """Raise if the server stopped (Serve's health check then replaces the replica)."""

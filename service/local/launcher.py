@@ -14,77 +14,24 @@ import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import yaml
-from pydantic import ValidationError
-
-from service.config import INGRESS_NAME, AppConfig
+from service.config import AppConfig
 from service.errors import ModelFileError
 from service.local import ports
+from service.local.arguments import (
+    DEFAULT_METRICS_PORT,
+    DEFAULT_PORT,
+    LaunchError,
+    load_config,
+    parse_args,
+    validated,
+)
 from service.local.drain import drain, stop_ray
 from service.local.ray_env import set_ray_env
 from service.model_store import find_models
 from service.routes import RouteConfigError, RouteTable
-from service.rpc.server import SERVE_SERVICERS
+from service.rpc.servicers import SERVE_SERVICERS
 
 APP_NAME = "mha"
-DEFAULT_PORT = 8000
-DEFAULT_GRPC_PORT = 8001  # Triton's gRPC port; KServe's is 8081
-DEFAULT_METRICS_PORT = 8080  # Ray's metrics export port: every replica's series on one /metrics URL
-
-
-class LaunchError(RuntimeError):
-    """Something the user can fix before the service can start (one line, exit code 2)."""
-
-
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="mha-serving serve", description=__doc__.splitlines()[0])
-    p.add_argument("--models", help="folder with one sub-folder per exported model (default: models, or the config's)")
-    p.add_argument("--backend", choices=("auto", "cpu", "gpu"), help="ONNX Runtime backend (default: auto)")
-    p.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="the API's address; Ray's own ports stay on loopback unless it is another (default: 127.0.0.1)",
-    )
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"HTTP port (default: {DEFAULT_PORT})")
-    p.add_argument(
-        "--grpc-port",
-        type=int,
-        default=DEFAULT_GRPC_PORT,
-        help="Open Inference Protocol gRPC and grpc.health.v1 port, served by the ingress replica (with --proxy: by "
-        f"Serve's gRPC proxy, on every interface); 0: no gRPC (default: {DEFAULT_GRPC_PORT})",
-    )
-    p.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT, help="Prometheus port (default: 8080)")
-    p.add_argument("--config", type=Path, help="YAML: AppConfig fields, or a Serve config file (its first app's args)")
-    p.add_argument("--num-cpus", type=float, help="logical CPUs for the local Ray (default: enough for every replica)")
-    p.add_argument("--dashboard", action="store_true", help="start Ray's dashboard too")
-    p.add_argument(
-        "--proxy",
-        action="store_true",
-        help="serve through Ray Serve's HTTP and gRPC proxies (as on a cluster) instead of the ingress replica on "
-        "--port and --grpc-port itself",
-    )
-    p.add_argument("--access-log", action="store_true", help="log every request (off by default: it costs latency)")
-    return p.parse_args(argv)
-
-
-def load_config(args: argparse.Namespace) -> AppConfig:
-    raw: dict = {}
-    if args.config is not None:
-        try:
-            raw = yaml.safe_load(args.config.read_text()) or {}
-        except (OSError, yaml.YAMLError) as exc:
-            raise LaunchError(f"cannot read config {args.config}: {exc}") from exc
-        if "applications" in raw:  # a Serve config file: the first application's args, and the ingress's routes
-            app = (raw["applications"] or [{}])[0]
-            raw = dict(app.get("args") or {})
-            for deployment in app.get("deployments") or []:
-                if deployment.get("name") == INGRESS_NAME and "routes" in (deployment.get("user_config") or {}):
-                    raw["routes"] = deployment["user_config"]["routes"]
-    if args.models is not None:
-        raw["models_dir"] = args.models
-    if args.backend is not None:
-        raw["backend"] = args.backend
-    return _validated(raw)
 
 
 def cpus_needed(config: AppConfig, names: list[str]) -> float:
@@ -118,17 +65,7 @@ def local_config(config: AppConfig, opts: LocalServe) -> AppConfig:
     if opts.direct:
         ingress.update(port=opts.port, grpc_port=opts.grpc_port, access_log=opts.access_log)
     raw["ingress"] = ingress
-    return _validated(raw)
-
-
-def _validated(raw: dict) -> AppConfig:
-    try:
-        return AppConfig.model_validate(raw)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        message = first["msg"].removeprefix("Value error, ")
-        raise LaunchError(f"invalid config: {where + ': ' if where else ''}{message}") from exc
+    return validated(raw)
 
 
 def checked(config: AppConfig) -> list[str]:

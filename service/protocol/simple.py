@@ -12,7 +12,8 @@ from pydantic import BaseModel, ConfigDict
 
 from contract.metadata import ModelMetadata
 from service.errors import BadRequestError
-from service.validation import MASK_VALUE, Bounds, Rows, Schema, check_rows, int_matrix, ragged_to_rows, texts_to_rows
+from service.inference import InferenceRequest, InferenceResult, Listing, ModelStatus
+from service.validation import MASK_VALUE, Bounds, Schema, int_matrix, ragged
 
 NULL = {"type": "null"}
 
@@ -120,20 +121,22 @@ class ModelList(BaseModel):
     routes: list[RouteInfo] = []
 
 
-def decode(request: PredictRequest, meta: ModelMetadata, max_rows: int) -> Rows:
+def to_request(request: PredictRequest) -> InferenceRequest:
+    """The decoded request: exactly one of `text`, `texts` or `input_ids` (padded when ragged, without a mask)."""
     given = [k for k in ("text", "texts", "input_ids") if getattr(request, k) is not None]
     if len(given) != 1:
         raise BadRequestError(f"send exactly one of 'text', 'texts' or 'input_ids' (got {given or 'none'})")
     if request.attention_mask is not None and request.input_ids is None:
         raise BadRequestError("'attention_mask' goes with 'input_ids'")
     if request.text is not None:
-        return texts_to_rows([request.text], meta, max_rows)
+        return InferenceRequest(texts=[request.text])
     if request.texts is not None:
-        return texts_to_rows(request.texts, meta, max_rows)
+        return InferenceRequest(texts=request.texts)
     if request.attention_mask is None:
-        return ragged_to_rows(request.input_ids, meta, max_rows)
+        ids, mask = ragged(request.input_ids)
+        return InferenceRequest(ids, mask)
     ids = int_matrix("input_ids", request.input_ids)
-    return check_rows(ids, int_matrix("attention_mask", request.attention_mask), meta, max_rows)
+    return InferenceRequest(ids, int_matrix("attention_mask", request.attention_mask))
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
@@ -147,21 +150,48 @@ def head_config(meta: ModelMetadata) -> dict[str, Any]:
     return {**config, "layer_heads": list(meta.heads_per_layer), "precision": meta.precision}
 
 
-def predict_response(
-    request: PredictRequest, meta: ModelMetadata, backend: str, logits: np.ndarray, timing: dict[str, float]
-) -> dict[str, Any]:
-    probs = softmax(logits)
+def predict_response(request: PredictRequest, result: InferenceResult, total_s: float) -> dict[str, Any]:
+    """The answer to a predict: logits, probabilities and labels per row, the head configuration and the timing."""
+    meta, logits = result.metadata, result.logits
     labels = [meta.labels[i] for i in logits.argmax(axis=1)]
     out: dict[str, Any] = {
         "model": meta.name,
         "config": head_config(meta),
-        "backend": backend,
+        "backend": result.backend,
         "labels": list(meta.labels),
         "logits": logits.tolist(),
-        "probabilities": probs.tolist(),
+        "probabilities": softmax(logits).tolist(),
         "predicted": labels,
     }
     if request.text is not None:
         out["label"] = labels[0]
-    out["timing"] = timing
+    out["timing"] = {
+        "total_ms": total_s * 1e3,
+        "queue_ms": result.queue_s * 1e3,
+        "run_ms": result.run_s * 1e3,
+        "batch_rows": result.batch_rows,
+    }
     return out
+
+
+def model_info(status: ModelStatus) -> dict[str, Any]:
+    """A model's entry in the model list (ModelInfo)."""
+    out: dict[str, Any] = {"name": status.name, "ready": status.ready}
+    meta = status.metadata
+    if meta is None:
+        return {**out, "error": status.reason}
+    out.update(head_config(meta))
+    out.update(
+        quantized_from=meta.quantized_from,
+        max_len=meta.max_len,
+        vocab_size=meta.vocab_size,
+        labels=list(meta.labels),
+        task=meta.task,
+    )
+    return out | {"backend": status.backend, "backend_reason": status.reason, "threads": status.threads}
+
+
+def model_list(listing: Listing) -> dict[str, list[dict[str, Any]]]:
+    """Every model with its head configuration, and every route with its targets and shadow (ModelList)."""
+    routes = [plan.describe(ready) for plan, ready in listing.routes]
+    return {"models": [model_info(s) for s in listing.statuses], "routes": routes}

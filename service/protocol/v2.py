@@ -6,18 +6,20 @@ No torch.
 
 from __future__ import annotations
 
+from importlib.metadata import version as package_version
 from typing import Any
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from contract.binary_tensors import EXTENSION
 from contract.metadata import ATTENTION_MASK, INPUT_IDS, LOGITS, ModelMetadata
 from service.errors import BadRequestError
-from service.validation import MASK_VALUE, Bounds, Rows, Schema, check_rows, int_matrix, texts_to_rows
+from service.inference import MODEL_VERSION, InferenceRequest
+from service.validation import MASK_VALUE, Bounds, Schema, int_matrix
 
 TEXT = "text"
 PLATFORM = "onnxruntime_onnx"
-MODEL_VERSION = "1"
 KNOWN_INPUTS = (INPUT_IDS, ATTENTION_MASK, TEXT)
 
 
@@ -210,8 +212,8 @@ def _tensor(inputs: dict[str, RequestInput], name: str, datatype: str) -> Reques
     return tensor
 
 
-def decode(request: InferRequest, meta: ModelMetadata, max_rows: int) -> Rows:
-    """The request's rows, checked; BadRequestError names the tensor and the problem."""
+def to_request(request: InferRequest) -> InferenceRequest:
+    """The decoded request; BadRequestError names the tensor and the problem."""
     inputs = {t.name: t for t in request.inputs}
     unknown = [n for n in inputs if n not in KNOWN_INPUTS]
     if unknown or len(inputs) != len(request.inputs):
@@ -219,6 +221,7 @@ def decode(request: InferRequest, meta: ModelMetadata, max_rows: int) -> Rows:
             f"unexpected or repeated inputs {unknown or [t.name for t in request.inputs]}; "
             f"send {INPUT_IDS} (+ {ATTENTION_MASK}) or {TEXT}"
         )
+    outputs = tuple(out.name for out in request.outputs or ())
     text = _tensor(inputs, TEXT, "BYTES")
     if text is not None:
         if len(inputs) > 1:
@@ -226,21 +229,14 @@ def decode(request: InferRequest, meta: ModelMetadata, max_rows: int) -> Rows:
         data = text.data if isinstance(text.data, list) else [text.data]
         if len(text.shape) != 1 or text.shape[0] != len(data):
             raise BadRequestError(f"input {TEXT!r}: shape {text.shape} does not match {len(data)} strings")
-        return texts_to_rows(data, meta, max_rows)
+        return InferenceRequest(texts=data, outputs=outputs, id=request.id)
     ids = _tensor(inputs, INPUT_IDS, "INT64")
     if ids is None:
         raise BadRequestError(f"input {INPUT_IDS!r} is missing (or send {TEXT!r})")
     mask = _tensor(inputs, ATTENTION_MASK, "INT64")
     ids_m = int_matrix(INPUT_IDS, ids.data, ids.shape)
     mask_m = int_matrix(ATTENTION_MASK, mask.data, mask.shape) if mask is not None else None
-    return check_rows(ids_m, mask_m, meta, max_rows)
-
-
-def requested_outputs(request: InferRequest) -> None:
-    """Only `logits` exists; asking for another output is a 400 naming it."""
-    for out in request.outputs or []:
-        if out.name != LOGITS:
-            raise BadRequestError(f"unknown output {out.name!r}; this model has {LOGITS!r}")
+    return InferenceRequest(ids_m, mask_m, outputs=outputs, id=request.id)
 
 
 def response_head(name: str, request: InferRequest) -> dict[str, Any]:
@@ -255,8 +251,13 @@ def infer_response(name: str, request: InferRequest, logits: np.ndarray) -> dict
     """The v2 response: `logits` FP32 [B, C] as flat row-major JSON data, the request id echoed."""
     out = response_head(name, request)
     tensor = {"name": LOGITS, "datatype": "FP32", "shape": list(logits.shape), "data": logits.ravel().tolist()}
-    out["outputs"] = [tensor]  # the only output; requested_outputs() already refused any other name
+    out["outputs"] = [tensor]  # the only output; the data plane refused any other name
     return out
+
+
+def server_metadata(server_name: str) -> dict[str, Any]:
+    """v2 server metadata: the server's name, the package's version, the extensions served."""
+    return {"name": server_name, "version": package_version("mha-serving"), "extensions": [EXTENSION]}
 
 
 def model_metadata(meta: ModelMetadata) -> dict[str, Any]:

@@ -1,26 +1,26 @@
-"""The one adapter to uvicorn's internals: its httptools protocol, refusing an oversized or slow request head while
-it arrives and a connection over the cap (no public uvicorn option bounds a head's size or time, and its
-`limit_concurrency` counts only complete heads), writing each response in one send, and cancelling a request whose
-client went away. uvicorn and httptools are pinned to the tested range (pyproject.toml); tests/test_head_limits.py
-and tests/test_slow_heads.py fail when a hook stops engaging. No torch.
+"""The one adapter to uvicorn's internals, for the ingress's own server: its httptools protocol holding the head
+limits while a head arrives and the connection cap at accept (no public uvicorn option bounds a head's size or time,
+and its `limit_concurrency` counts only complete heads), counting requests in progress from their head (Load) and
+open connections, writing each response in one send, and cancelling a request whose client went away; and a server
+that leaves the process's signals to Ray. uvicorn and httptools are pinned to the tested range (pyproject.toml);
+tests/test_head_limits.py and tests/test_slow_heads.py fail when a hook stops engaging. No torch.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+from collections.abc import Iterator
 
+import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from service import limits as check
 from service.config import RequestLimits
-from service.errors import (
-    BodyTooLargeError,
-    HeadersTooLargeError,
-    HeadTimeoutError,
-    ServiceError,
-    TooManyConnectionsError,
-)
+from service.errors import HeadTimeoutError, ServiceError
 from service.http.connection_metrics import ConnectionMetrics
+from service.load import Load
 from service.responses import raw_error_response
 
 HEAD_CHECKED = "mha.head_checked"  # scope key: the head was held to the limits as it arrived
@@ -30,29 +30,18 @@ LINGER_S = 2.0  # after a refusal, the rest of the request is read and dropped t
 SHORT_LINGER_S = 0.5
 
 
-def protocol(limits: RequestLimits, metrics: ConnectionMetrics) -> functools.partial:
-    """What `uvicorn.Config(http=...)` takes: the protocol class, bound to `limits` and counting into `metrics`."""
-    return functools.partial(HeadLimitedProtocol, limits=limits, metrics=metrics)
+def protocol(limits: RequestLimits, metrics: ConnectionMetrics, load: Load) -> functools.partial:
+    """What `uvicorn.Config(http=...)` takes: the protocol class, bound to `limits`, counting into `metrics` and
+    `load`."""
+    return functools.partial(HeadLimitedProtocol, limits=limits, metrics=metrics, load=load)
 
 
-def body_too_large(size: int, limit: int) -> BodyTooLargeError:
-    return BodyTooLargeError(f"request body of {size} bytes is over the limit of {limit} bytes")
+class SignalFreeServer(uvicorn.Server):
+    """uvicorn's server, except that it leaves signals alone: a replica's signals are Ray's."""
 
-
-def head_too_large(limit: int) -> HeadersTooLargeError:
-    return HeadersTooLargeError(f"request headers are over the limit of {limit} bytes")
-
-
-def too_many_headers(limit: int) -> HeadersTooLargeError:
-    return HeadersTooLargeError(f"more than {limit} request headers")
-
-
-def head_timed_out(limit_s: float, arrived: int) -> HeadTimeoutError:
-    return HeadTimeoutError(f"the request head did not arrive within {limit_s:g} s ({arrived} bytes read)")
-
-
-def too_many_connections(limit: int) -> TooManyConnectionsError:
-    return TooManyConnectionsError(f"the server holds its limit of {limit} connections; retry later")
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
 
 
 class CoalescedWrites:
@@ -96,9 +85,10 @@ class HeadLimitedProtocol(HttpToolsProtocol):
     head not complete within `limits.header_timeout_s` (408; silence is closed without an answer). A connection
     over `limits.max_connections` gets a 503 with Retry-After as soon as it is accepted."""
 
-    def __init__(self, *args, limits: RequestLimits, metrics: ConnectionMetrics, **kwargs) -> None:
+    def __init__(self, *args, limits: RequestLimits, metrics: ConnectionMetrics, load: Load, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.limits, self.metrics = limits, metrics
+        self.limits, self.metrics, self.load = limits, metrics, load
+        self._requests = 0  # this connection's requests counted in load.arrived (pipelined ones too), not answered
         self._head_timer: asyncio.TimerHandle | None = None  # armed while a head is awaited or arriving
         self._in_head = False  # a request head has begun and is not complete yet
         self._head_bytes = 0  # its bytes as parsed (request target, headers)
@@ -117,23 +107,32 @@ class HeadLimitedProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self.transport = CoalescedWrites(transport, self.loop)  # type: ignore[assignment]
+        self.metrics.open += 1
         # uvicorn's limit_concurrency is checked once a head is complete: slow heads never meet it, and it would
         # refuse the next request of a connection already open. The cap is held here, at accept.
-        if len(self.connections) > self.limits.max_connections:  # this one included
+        try:
+            check.check_connections(self.metrics.open, self.limits)
+        except ServiceError as refusal:
             self.metrics.refused += 1
-            self._refusal = too_many_connections(self.limits.max_connections)
+            self._refusal = refusal
             self._refuse(SHORT_LINGER_S)
             return
         self._arm_head_timer()  # a connection that sends nothing is closed too
 
     def on_response_complete(self) -> None:
         self.transport.flush()
+        if self._requests > 0:
+            self._requests -= 1
+            self.load.arrived -= 1
         super().on_response_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:
         """The client went away: a request still unanswered is cancelled (its batch slot freed, counted as 499)."""
         cycle, task = self.cycle, self._task
         self._disarm_head_timer()
+        self.metrics.open -= 1
+        self.load.arrived -= self._requests  # unanswered: no longer in progress
+        self._requests = 0
         super().connection_lost(exc)
         if task is not None and cycle is not None and not cycle.response_complete and not task.done():
             task.cancel()
@@ -144,8 +143,10 @@ class HeadLimitedProtocol(HttpToolsProtocol):
         super().data_received(data)  # an error raised by a callback below ends up in send_400_response
         if self._in_head and self._refusal is None:
             self._arrived += len(data)
-            if self._arrived > self.limits.max_header_bytes:
-                self._refusal = head_too_large(self.limits.max_header_bytes)
+            try:
+                check.check_head_bytes(self._arrived, self.limits)
+            except ServiceError as refusal:
+                self._refusal = refusal
                 self._refuse()
         # Armed after the parser has run, so a whole request in one read costs no timer. uvicorn stops its
         # keep-alive timer on any byte, even a bare CRLF that begins no request: the head's timer covers that too.
@@ -158,32 +159,35 @@ class HeadLimitedProtocol(HttpToolsProtocol):
 
     def on_url(self, url: bytes) -> None:
         self._head_bytes += len(url)
-        if self._head_bytes > self.limits.max_header_bytes:
-            self._stop(head_too_large(self.limits.max_header_bytes))
+        self._held(check.check_head_bytes, self._head_bytes)
         super().on_url(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        limits = self.limits
-        if len(self.headers) >= limits.max_headers:
-            self._stop(too_many_headers(limits.max_headers))
-        self._head_bytes += len(name) + len(value) + 4  # "name: value\r\n"
-        if self._head_bytes > limits.max_header_bytes:
-            self._stop(head_too_large(self.limits.max_header_bytes))
+        self._held(check.check_header_count, len(self.headers) + 1)
+        self._head_bytes += len(name) + len(value) + check.HEAD_LINE_BYTES
+        self._held(check.check_head_bytes, self._head_bytes)
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._disarm_head_timer()
-        length = dict(self.headers).get(b"content-length", b"") if self.expect_100_continue else b""
-        if length.isdigit() and int(length) > self.limits.max_body_bytes:
-            self._stop(body_too_large(int(length), self.limits.max_body_bytes))
+        if self.expect_100_continue:  # refused before any `100 Continue`
+            self._held(check.check_announced_body, dict(self.headers).get(b"content-length"))
         self.scope[HEAD_CHECKED] = True  # type: ignore[typeddict-unknown-key]
+        cycle = self.cycle
         super().on_headers_complete()
+        if self.cycle is not cycle:  # a request began (now, or queued behind a pipelined one)
+            self._requests += 1
+            self.load.arrived += 1
 
-    def _stop(self, refusal: ServiceError) -> None:
-        """Stop the parser (inside its callback); uvicorn then calls send_400_response, which answers `refusal`."""
-        self._refusal = refusal
-        raise refusal
+    def _held(self, limit_check, value) -> None:
+        """Run one limit check inside a parser callback; a refusal stops the parser, and uvicorn then calls
+        send_400_response, which answers it."""
+        try:
+            limit_check(value, self.limits)
+        except ServiceError as refusal:
+            self._refusal = refusal
+            raise
 
     def send_400_response(self, msg: str) -> None:
         if self._refusal is None:
@@ -218,7 +222,7 @@ class HeadLimitedProtocol(HttpToolsProtocol):
         self._head_timer = None
         self.metrics.header_timeouts += 1
         if self._in_head and self._between_requests():
-            self._refusal = head_timed_out(self.limits.header_timeout_s, self._arrived)
+            self._refusal = HeadTimeoutError(self.limits.header_timeout_s, self._arrived)
             self._refuse(SHORT_LINGER_S)
         else:
             self.transport.close()

@@ -1,0 +1,84 @@
+"""The HTTP inference handlers: a request's body read within the limits and decoded (v2 JSON or binary tensor
+data, the simple JSON API, attention) into the data plane's typed request, admitted, and its result encoded. No
+torch.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+from starlette.responses import Response
+
+from service import attention_api
+from service.dataplane import DataPlane, Endpoint
+from service.errors import BadRequestError
+from service.http.limits import read_body
+from service.protocol import binary, simple, v2
+from service.responses import binary_response, json_response
+from service.routes import ROUTE_KEY
+
+BodyT = TypeVar("BodyT", bound=BaseModel)
+# the endpoint label of each; the ingress's own server counts HTTP requests from their head (service/load.py)
+V2_INFER = Endpoint("v2_infer", counted=True)
+PREDICT = Endpoint("v1_predict", counted=True)
+ATTENTION = Endpoint("v1_attention", counted=True, per_model="attention maps are per model")
+
+
+def describe_errors(errors: list) -> str:
+    """pydantic's errors in one line: where and what, the first five."""
+    problems = []
+    for err in errors[:5]:
+        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
+        problems.append(f"{where}: {err.get('msg', 'invalid')}")
+    return "; ".join(problems)
+
+
+def parse_body(raw: bytes, model: type[BodyT]) -> BodyT:
+    """The JSON body as `model`, whatever the Content-Type (curl -d sends form-encoded); 400 naming the problem."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        errors = exc.errors()
+        if errors and errors[0].get("type") == "json_invalid":
+            raise BadRequestError(f"malformed JSON body: {errors[0].get('msg', '')}") from None
+        raise BadRequestError("invalid request: " + describe_errors(errors)) from None
+
+
+async def json_body(request: Request, plane: DataPlane, model: type[BodyT]) -> BodyT:
+    """The request's JSON body, read within the limits and parsed as `model` (binary tensor data is v2's only)."""
+    if binary.HEADER in request.headers:
+        raise BadRequestError(f"binary tensor data ({binary.HEADER_NAME}) is for POST /v2/models/{{name}}/infer")
+    return parse_body(await read_body(request, plane.limits), model)
+
+
+async def v2_infer(plane: DataPlane, request: Request, name: str, version: str | None = None) -> Response:
+    """Open Inference Protocol v2 inference, JSON or binary tensor data, of a model or a route."""
+    async with plane.admit(V2_INFER, name, request.headers.get(ROUTE_KEY), version) as call:
+        raw = await read_body(request, plane.limits)
+        header, blob = binary.split(raw, request.headers.get(binary.HEADER))
+        body = parse_body(header, v2.InferRequest)
+        binary.attach(body, blob)
+        as_binary = binary.wants_binary(body)
+        result = await call.infer(v2.to_request(body))
+        if as_binary:
+            return binary_response(*binary.infer_response(result.model, body, result.logits), binary.HEADER_NAME)
+        return json_response(v2.infer_response(result.model, body, result.logits))
+
+
+async def predict(plane: DataPlane, request: Request, name: str) -> Response:
+    """Simple JSON inference, of a model or a route, with the request's timing."""
+    async with plane.admit(PREDICT, name, request.headers.get(ROUTE_KEY)) as call:
+        start = time.perf_counter()
+        body = await json_body(request, plane, simple.PredictRequest)
+        result = await call.infer(simple.to_request(body))
+        return json_response(simple.predict_response(body, result, time.perf_counter() - start))
+
+
+async def attention(plane: DataPlane, request: Request, name: str) -> Response:
+    """One text's per-layer, per-head attention weights (a model's, not a route's)."""
+    async with plane.admit(ATTENTION, name) as call:
+        body = await json_body(request, plane, attention_api.AttentionRequest)
+        return json_response(attention_api.response(await call.attention(body.text, body.layer)))

@@ -1,0 +1,76 @@
+"""The ingress's coalescer (service/coalescer.py): requests waiting for a model's deployment go as one call per
+group, and the rows of a request whose client went away while it waited are never sent. The deployment's handle is
+a stand-in that records what it is sent: the coalescer, not Serve, is what these tests check."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from service.batching import BatchResult
+from service.coalescer import Coalescer
+
+
+class HeldHandle:
+    """A model deployment's handle as the coalescer uses it (`infer_many.remote`): records the first token of each
+    request of each group it is sent, and answers every group once `release` is set."""
+
+    def __init__(self) -> None:
+        self.groups: list[list[int]] = []
+        self.release = asyncio.Event()
+        self.infer_many = self
+
+    def remote(self, requests: list[tuple[np.ndarray, np.ndarray]]):
+        self.groups.append([int(ids[0, 0]) for ids, _ in requests])
+        return self._answer(requests)
+
+    async def _answer(self, requests) -> list[BatchResult]:
+        await self.release.wait()
+        return [BatchResult(np.zeros((ids.shape[0], 2), np.float32), ids.shape[0], 0.0, 0.0) for ids, _ in requests]
+
+
+def _row(token: int) -> tuple[np.ndarray, np.ndarray]:
+    return np.array([[token]], dtype=np.int64), np.ones((1, 1), dtype=np.int64)  # (1, 1) ids and mask
+
+
+async def _turns(n: int = 5) -> None:
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+def test_a_request_cancelled_while_it_waits_is_not_sent_and_the_others_of_its_group_are():
+    async def scenario() -> list[list[int]]:
+        handle = HeldHandle()
+        coalescer = Coalescer("m", handle, max_rows=32, max_queued=8, in_flight=1)
+        first = asyncio.create_task(coalescer.infer(*_row(1)))
+        await _turns()  # the first request's group is in flight, holding the one slot
+        gone = asyncio.create_task(coalescer.infer(*_row(2)))
+        kept = asyncio.create_task(coalescer.infer(*_row(3)))
+        await _turns()  # both wait for the slot
+        gone.cancel()
+        handle.release.set()
+        await asyncio.wait_for(asyncio.gather(first, kept), 5)
+        return handle.groups
+
+    assert asyncio.run(scenario()) == [[1], [3]]
+
+
+def test_a_wait_list_of_only_cancelled_requests_sends_nothing_and_frees_its_slot():
+    async def scenario() -> tuple[list[list[int]], int]:
+        handle = HeldHandle()
+        coalescer = Coalescer("m", handle, max_rows=32, max_queued=8, in_flight=1)
+        first = asyncio.create_task(coalescer.infer(*_row(1)))
+        await _turns()
+        waiting = [asyncio.create_task(coalescer.infer(*_row(t))) for t in (2, 3)]
+        await _turns()
+        for task in waiting:
+            task.cancel()
+        handle.release.set()
+        await asyncio.wait_for(first, 5)
+        await _turns()
+        later = await asyncio.wait_for(coalescer.infer(*_row(4)), 5)  # the slot is free again
+        return handle.groups, later.logits.shape[0]
+
+    groups, rows = asyncio.run(scenario())
+    assert groups == [[1], [4]] and rows == 1
