@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build the mha-serving image with whichever OCI engine is here (docker, podman or buildah), run it and check it:
-# non-root, `pip check`, no torch and no sources in the image, /v2/health/ready, one predict per model, the metrics
-# URL, and SIGTERM -> exit within 10 s (docker stop's default grace). Then it removes what it made.
+# non-root, `pip check`, no torch and no sources in the image, /v2/health/ready, one predict per model, gRPC on 8001
+# (grpc.health.v1 Check and one ModelInfer), the metrics URL, and SIGTERM -> exit within 10 s (docker stop's default
+# grace). Then it removes what it made.
 #
 #   deploy/image_check.sh                      # the CPU image, models baked in (MODELS=default), bases pulled as usual
 #   deploy/image_check.sh --gpu --build-only   # the GPU image (ORT_PACKAGE=onnxruntime-gpu...): builds without a GPU
@@ -262,12 +263,41 @@ predict_each() {
   local names answer n=0
   names=$(curl -sf "$base_url/v1/models" | python3 -c 'import json, sys; print(*[m["name"] for m in json.load(sys.stdin)["models"]])')
   [ -n "$names" ] || { echo "no models listed"; return 1; }
-  for name in $names; do
-    answer=$(curl -sf "$base_url/v1/models/$name/predict" -H 'content-type: application/json' \
-      -d '{"text": "a fine film"}') && grep -q '"logits"' <<<"$answer" || { echo "predict $name failed"; return 1; }
+  for name in $names; do  # on a failure, say what came back: status and the answer's start
+    answer=$(curl -s -w '\nHTTP %{http_code}' "$base_url/v1/models/$name/predict" -H 'content-type: application/json' \
+      -d '{"text": "a fine film"}') && grep -q '"logits"' <<<"$answer" && [ "${answer##*$'\n'}" = "HTTP 200" ] \
+      || { echo "predict $name failed: ${answer##*$'\n'}: $(head -c 300 <<<"${answer%$'\n'*}")"; return 1; }
     n=$((n + 1))
   done
   echo "$n models answered: $names"
+}
+# gRPC from inside the container (the image's grpcio and contract.rpc stubs), to the container's own address rather
+# than loopback: what a published 8001 reaches, so it fails if the CMD serves gRPC on loopback only, or not at all.
+GRPC_CLIENT='
+import socket, sys
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from contract.metadata import INPUT_IDS, LOGITS
+from contract.rpc import inference_pb2 as pb, inference_pb2_grpc as pb_grpc
+address = socket.gethostbyname(socket.gethostname()) + ":8001"
+channel = grpc.insecure_channel(address)
+if sys.argv[1] == "health":
+    status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30).status
+    print(address, health_pb2.HealthCheckResponse.ServingStatus.Name(status))
+    sys.exit(status != health_pb2.HealthCheckResponse.SERVING)
+request = pb.ModelInferRequest(model_name=sys.argv[2])
+request.inputs.add(name=INPUT_IDS, datatype="INT64", shape=[1, 4]).contents.int64_contents.extend([72, 105, 33, 10])
+answer = pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=30)
+(output,), (data,) = answer.outputs, answer.raw_output_contents
+print(address, sys.argv[2], output.name, list(output.shape), output.datatype)
+sys.exit(output.name != LOGITS or output.datatype != "FP32" or len(data) != 4 * output.shape[0] * output.shape[1])
+'
+grpc_health() { in_image python -c "$GRPC_CLIENT" health; }
+grpc_infer() {
+  local name
+  name=$(curl -sf "$base_url/v1/models" | python3 -c 'import json, sys; print(json.load(sys.stdin)["models"][0]["name"])') \
+    || { echo "no models listed"; return 1; }
+  in_image python -c "$GRPC_CLIENT" infer "$name"
 }
 metrics() {  # our histogram reaches Ray's exposition a few seconds after it is observed
   local page  # (not curl | grep -q: grep's early exit fails curl, and so the pipeline)
@@ -299,6 +329,8 @@ if [ $failed = 0 ]; then
   check "no sources or build files" no_sources
   check "object store in /dev/shm" shared_memory
   check "one predict per model" predict_each
+  check "gRPC health (:8001 grpc.health.v1 Check)" grpc_health
+  check "gRPC ModelInfer (:8001)" grpc_infer
   check "metrics (:8080/metrics)" metrics
   check "SIGTERM -> exit within ${GRACE_S} s" sigterm
 fi
