@@ -59,11 +59,11 @@ def ignored(path: str, patterns: list[tuple[bool, re.Pattern[str]]]) -> bool:
 
 
 def build_stage_copies() -> tuple[str, list[tuple[list[str], str]]]:
-    """The directory `pip wheel` builds in the stage that runs it, and that stage's COPY (sources, destination)
-    pairs from the build context, destinations made absolute against WORKDIR."""
+    """The directory `pip wheel` builds in the stage that runs it, and the COPY (sources, destination) pairs from the
+    build context before it in that stage, destinations made absolute against WORKDIR."""
     text = re.sub(r"\\\n", " ", (ROOT / "Dockerfile").read_text())
     for stage in re.split(r"^FROM\s", text, flags=re.M | re.I)[1:]:
-        workdir, copies, wheel_dir = "/", [], None
+        workdir, copies = "/", []
         for line in stage.splitlines():
             instruction, _, rest = line.strip().partition(" ")
             if instruction.upper() == "WORKDIR":
@@ -75,9 +75,7 @@ def build_stage_copies() -> tuple[str, list[tuple[list[str], str]]]:
                 *sources, dest = [a for a in args if not a.startswith("--")]
                 copies.append((sources, posixpath.join(workdir, dest)))
             elif instruction.upper() == "RUN" and (built := re.search(r"pip wheel\b[^&;|]*?\s(\S+)\s*(&&|$)", rest)):
-                wheel_dir = posixpath.normpath(posixpath.join(workdir, built.group(1)))
-        if wheel_dir:
-            return wheel_dir, copies
+                return posixpath.normpath(posixpath.join(workdir, built.group(1))), copies
     raise AssertionError("no stage of the Dockerfile runs `pip wheel`")
 
 
