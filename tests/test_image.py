@@ -97,6 +97,7 @@ def usable_options() -> tuple[list[str], str]:
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("CI") == "true", reason=".ci/run builds and checks the image after the suite")
 def test_the_image_builds_runs_and_passes_every_check():
     options, why = usable_options()
     if why:
