@@ -12,7 +12,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from benchmarks.kernel import report as kernel_report
+from benchmarks.kernel import report
 from benchmarks.kernel.cli import parse_args
 from benchmarks.kernel.gemm import INT8_ZERO_POINT, BoundGemm, Peaks, gemm_peaks, matmul_integer_model, matmul_model
 from benchmarks.kernel.runs import QUICK, RUNNERS, BenchConfig, Timing, forward_flops, run
@@ -86,16 +86,16 @@ def test_report_table_ratios_and_files(tmp_path):
     ms = {(h, runner): value for h in (1, 16) for runner, value in zip(RUNNERS, values, strict=True)}
     timings = _timings(ms)
     summary = summarize(timings, Peaks(fp32_gflops=10.0, int8_gops=25.0, fp32_ort_gflops=20.0))
-    table = kernel_report.table(timings).splitlines()
+    table = report.table(timings).splitlines()
     assert len(table) == 2 + 2 and table[2].startswith("| 1 | 8 x 512 | 300.0 | 250.0 | 200.0 | 80.0 | 5 | 12 |")
     assert table[2].endswith("| 1.50x | 1.25x | 2.50x |")
-    ratios = kernel_report.ratios(summary)
+    ratios = report.ratios(summary)
     assert "[met] ORT never slower than torch" in ratios
     assert "int8 GEMM peak 25 GOP/s = 2.50x torch's fp32 peak, 1.25x ORT's fp32 MatMul peak" in ratios
     assert "12 useful GOP/s = 0.50 of the int8 peak" in ratios and "(ORT's fp32 MatMul peak 20 GFLOP/s: 0.25" in ratios
     assert "ORT int8 vs fp32 fused, all h: min 2.50x, geometric mean 2.50x, max 2.50x" in ratios
     config = {"d_model": 512, "layers": 4}
-    paths = kernel_report.write(tmp_path / "out", config, {"cpus": 2}, timings, summary)
+    paths = report.write(tmp_path / "out", config, {"cpus": 2}, timings, summary)
     assert [p.name for p in paths] == ["kernel_bench.csv", "kernel_bench.json", "kernel_bench.png"]
     assert all(p.stat().st_size > 0 for p in paths)
     record = json.loads(paths[1].read_text())
@@ -107,7 +107,7 @@ def test_report_table_ratios_and_files(tmp_path):
 
 def test_report_table_without_int8_rows_says_so():
     ms = {(1, runner): value for runner, value in zip(RUNNERS[:3], (300.0, 250.0, 200.0), strict=True)}
-    row = kernel_report.table(_timings(ms)).splitlines()[2]
+    row = report.table(_timings(ms)).splitlines()[2]
     assert "| 200.0 | n/a | 5 | n/a |" in row and row.endswith("| n/a |")
 
 
@@ -189,8 +189,8 @@ def test_a_tiny_run_reports_int8_rows_and_the_int8_peak(tmp_path):
     assert len(summary["int8_vs_fused"]) == 4 and all(v > 0 for v in summary["int8_vs_fused"].values())
     assert summary["int8_vs_fused_geomean"] > 0 and summary["best_int8_vs_int8_peak"] > 0
     assert summary["int8_peak_vs_fp32_peak"] > 0
-    assert all("n/a" not in row for row in kernel_report.table(timings).splitlines())
-    paths = kernel_report.write(tmp_path, {"d_model": 32, "layers": 2}, {}, timings, summary)
+    assert all("n/a" not in row for row in report.table(timings).splitlines())
+    paths = report.write(tmp_path, {"d_model": 32, "layers": 2}, {}, timings, summary)
     record = json.loads(paths[1].read_text())
     assert record["summary"]["int8_gemm_peak_gops"] == peaks.int8_gops
     assert sum(t["runner"] == "ort-int8" for t in record["timings"]) == 4
