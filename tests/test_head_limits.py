@@ -14,8 +14,8 @@ import signal
 import time
 
 from service.config import RequestLimits
-from service.http.uvicorn_adapter import CoalescedWrites
 from service.http.server import HttpServer
+from service.http.uvicorn_adapter import CoalescedWrites
 from service.local.ports import free_port
 
 LIMITS = RequestLimits(max_header_bytes=1024, max_headers=8, max_body_bytes=1024)
