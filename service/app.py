@@ -35,7 +35,10 @@ def build_app(args: AppConfig | dict[str, Any] | None = None) -> Application:
     names = find_models(models_dir, config.models)
     RouteTable.build(config.routes, names)  # a route that cannot be served fails the start (or redeploy) here
     cluster_gpus = ray.cluster_resources().get("GPU", 0.0) if ray.is_initialized() else 0.0
-    config = config.model_copy(update={"models_dir": models_dir})
+    ingress = config.ingress
+    if ingress.on_own_ports and ingress.processes is None:  # resolved here, once: every replica reads the same
+        ingress = ingress.model_copy(update={"processes": ingress.process_count()})
+    config = config.model_copy(update={"models_dir": models_dir, "ingress": ingress})
     colocated = [n for n in names if config.placement_for(n, cluster_gpus) == "colocated"]
     remote = {}
     for name in (n for n in names if n not in colocated):

@@ -10,11 +10,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from service.limits import RequestLimits
+
 Backend = Literal["auto", "cpu", "gpu"]
 Placement = Literal["auto", "colocated", "deployment"]
-MAX_BODY_BYTES = 1 << 20  # 1 MiB: larger request bodies get 413
 HEALTH_CHECK_PERIOD_S = 2.0  # Serve's default 10 s: a crashed replica went unnoticed (and unreplaced) that long
-MAX_HEADER_BYTES = 64 << 10  # 64 KiB of request line and headers (nginx allows 32 KiB, Node.js 16 KiB)
 INGRESS_NAME = "ingress"  # the ingress deployment's name (a Serve config's `deployments` entry)
 MAX_COLOCATED_THREADS = 4  # ORT's intra-op scaling flattens past a few threads at the batch sizes served here
 
@@ -103,12 +103,13 @@ class DeploymentSettings(BaseModel):
             raise ValueError("autoscaling.min_replicas must be <= autoscaling.max_replicas")
         return self
 
-    def threads(self, placement: str) -> int:
-        """ORT intra-op threads in `placement` (colocated or deployment), evaluated where the model runs."""
+    def threads(self, placement: str, processes: int = 1) -> int:
+        """ORT intra-op threads in `placement` (colocated or deployment), evaluated where the model runs; co-located
+        in one of `processes` serving processes, its share of the cores."""
         if self.intra_op_threads is not None:
             return self.intra_op_threads
         if placement == "colocated":
-            return max(1, min(os.cpu_count() or 1, MAX_COLOCATED_THREADS))
+            return max(1, min((os.cpu_count() or 1) // processes, MAX_COLOCATED_THREADS))
         return max(1, int(self.num_cpus))
 
     def scaling(self) -> dict:
@@ -155,55 +156,45 @@ class IngressSettings(BaseModel):
         "cluster, `serve --proxy`) gRPC comes through Serve's gRPC proxy instead: Serve's `grpc_options`, not this",
     )
     access_log: bool = Field(False, description="the ingress's own server logs a line per request (with `port`)")
+    processes: int | None = Field(
+        None,
+        ge=1,
+        description="serving processes (ingress replicas, each with its own co-located engines) sharing `port` and "
+        "`grpc_port` on the node (SO_REUSEPORT: the kernel spreads connections); None: one per two cores of the "
+        "node (default_processes). Only with the ingress's own ports; behind Serve's proxies, num_replicas",
+    )
 
     @model_validator(mode="after")
-    def _one_replica_on_a_port(self) -> IngressSettings:
+    def _replicas_on_a_port(self) -> IngressSettings:
         one = self.num_replicas == 1 and self.autoscaling is None
         for key in ("port", "grpc_port"):
             if getattr(self, key) is not None and not one:
                 raise ValueError(
-                    f"ingress.{key}: one ingress replica listens on a port; set num_replicas 1, no autoscaling"
+                    f"ingress.{key}: the replicas on the ingress's own ports are `processes`; set num_replicas 1, "
+                    "no autoscaling"
                 )
         if self.port is not None and self.port == self.grpc_port:
             raise ValueError(f"ingress.grpc_port: {self.grpc_port} is also ingress.port; give gRPC a port of its own")
         return self
 
+    @property
+    def on_own_ports(self) -> bool:
+        return self.port is not None or self.grpc_port is not None
+
+    def process_count(self) -> int:
+        """Serving processes sharing the ingress's own ports: `processes`, else the node's default."""
+        return self.processes or default_processes(len(os.sched_getaffinity(0)))
+
     def scaling(self) -> dict:
+        if self.on_own_ports:
+            return {"num_replicas": self.process_count()}
         return replica_options(self.num_replicas, self.autoscaling)
 
 
-class RequestLimits(BaseModel):
-    """What one request may hold and how long it may take; each refusal is a JSON error naming the limit."""
-
-    model_config = ConfigDict(extra="forbid")
-    max_body_bytes: int = Field(MAX_BODY_BYTES, ge=1024, description="larger bodies get 413")
-    max_header_bytes: int = Field(
-        MAX_HEADER_BYTES, ge=1024, description="request line and headers together; more get 431, cut off as they arrive"
-    )
-    max_headers: int = Field(100, ge=8, description="request headers; more get 431")
-    max_rows: int = Field(64, ge=1, description="sequences per request; more get 400")
-    body_timeout_s: float = Field(10.0, gt=0, description="the whole body must arrive within this; else 408")
-    header_timeout_s: float = Field(
-        10.0,
-        gt=0,
-        description="the request line and headers must arrive within this of the connection's start (on a kept-alive "
-        "connection: of the next request's first byte), however they trickle; else 408 and a close. A connection "
-        "that sends nothing is closed. Enforced by the ingress's own server (ingress.port)",
-    )
-    max_connections: int = Field(
-        4096,
-        ge=8,
-        description="open connections to the ingress's own server (ingress.port); one more is answered 503 with "
-        "Retry-After and closed. Keep it well under the replica's file descriptor limit (ulimit -n; 20,000 where it "
-        "was tested): Ray's own sockets, the model files and refusals still closing need the rest, and each "
-        "connection may hold a head of max_header_bytes",
-    )
-    drain_s: float = Field(
-        8.0, ge=0, description="on SIGTERM: readiness 503 at once, requests in progress get this long to finish"
-    )
-    max_in_flight: int = Field(
-        1024, ge=1, description="inference requests in progress per ingress replica, every model; more get 503"
-    )
+def default_processes(cpus: int) -> int:
+    """One serving process per two cores: each parses and answers on one while its engines' ORT threads use the
+    other (and the cores the others leave idle between runs); one on a 2-core machine."""
+    return max(1, cpus // 2)
 
 
 class Shadow(BaseModel):

@@ -49,8 +49,9 @@ class EngineSettings:
     runs: int | None = None  # ORT runs in flight at once; None: one per intra-op thread on CPU, one on GPU
 
     @classmethod
-    def of(cls, settings: DeploymentSettings, backend: str, placement: str) -> EngineSettings:
-        """From a model's DeploymentSettings, for its placement (colocated or deployment)."""
+    def of(cls, settings: DeploymentSettings, backend: str, placement: str, processes: int = 1) -> EngineSettings:
+        """From a model's DeploymentSettings, for its placement (colocated or deployment; co-located in one of
+        `processes` serving processes)."""
         policy = BatchPolicy(
             settings.max_batch_size,
             settings.max_queued_requests,
@@ -59,7 +60,7 @@ class EngineSettings:
         )
         return cls(
             backend,
-            settings.threads(placement),
+            settings.threads(placement, processes),
             policy,
             settings.ort_spinning,
             settings.light_model_threads,

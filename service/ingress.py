@@ -21,6 +21,10 @@ from service.placement import Colocated, ModelPlacement, Remote
 from service.rpc.serve_proxy import add_entry_points
 from service.rpc.server import GrpcServer
 
+SERVED_BY = (
+    "x-served-by"  # the serving process (its Serve replica id, as the metrics' `replica` label ends) that answered
+)
+
 
 def placements(
     config: AppConfig, remote: dict[str, DeploymentHandle], colocated: list[str]
@@ -28,8 +32,9 @@ def placements(
     """Each model's placement: its engine in this process, or its deployment's handle (requests that wait here
     going as one Ray call per group when `ingress.coalesce` is on)."""
     models: dict[str, ModelPlacement] = {}
+    processes = config.ingress.process_count() if config.ingress.on_own_ports else 1
     for name in colocated:
-        settings = EngineSettings.of(config.settings_for(name), config.backend_for(name), "colocated")
+        settings = EngineSettings.of(config.settings_for(name), config.backend_for(name), "colocated", processes)
         models[name] = Colocated(ModelEngine(config.models_dir, name, settings))
     for name, handle in remote.items():
         coalescer = None
@@ -52,12 +57,22 @@ class Ingress:
         self._app = create_app(self.plane)
         ingress, limits = config.ingress, config.limits
         self._server = self._grpc = None
-        if ingress.port is not None:
-            load = self.plane.load
-            self._server = HttpServer(self._app, ingress.host, ingress.port, limits, ingress.access_log, load=load)
+        shared = ingress.on_own_ports and ingress.process_count() > 1
+        if ingress.port is not None:  # bound once the co-located models are loaded: no connection meets a loading one
+            served_by = [(SERVED_BY, serve.get_replica_context().replica_tag)]
+            self._server = HttpServer(
+                self._app,
+                ingress.host,
+                ingress.port,
+                limits,
+                ingress.access_log,
+                load=self.plane.load,
+                shared=shared,
+                headers=served_by,
+            )
             self.plane.on_refresh(self._server.connection_metrics.refresh)
         if ingress.grpc_port is not None:
-            self._grpc = GrpcServer(self.plane, ingress.host, ingress.grpc_port, limits)
+            self._grpc = GrpcServer(self.plane, ingress.host, ingress.grpc_port, limits, shared)
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
         """Serve's in-place reconfigure (the deployment's user_config changed, no restart): install its routes whole.

@@ -1,6 +1,6 @@
-"""Request limits (service.config.RequestLimits), enforced here for every transport: the head's size and header
-count, the body's size and arrival deadline, rows per request, connections and inference requests in progress.
-Each check raises the typed error that names its limit (service/errors.py). No torch.
+"""Request limits: their settings (RequestLimits, AppConfig's `limits`), enforced here for every transport: the head's
+size and header count, the body's size and arrival deadline, rows per request, connections and inference requests in
+progress. Each check raises the typed error that names its limit (service/errors.py). No torch.
 """
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from service.config import RequestLimits
+from pydantic import BaseModel, ConfigDict, Field
+
 from service.errors import (
     BadRequestError,
     BodyTimeoutError,
@@ -19,6 +20,42 @@ from service.errors import (
 )
 
 HEAD_LINE_BYTES = 4  # ": " and CRLF around each header's name and value
+MAX_BODY_BYTES = 1 << 20  # 1 MiB: larger request bodies get 413
+MAX_HEADER_BYTES = 64 << 10  # 64 KiB of request line and headers (nginx allows 32 KiB, Node.js 16 KiB)
+
+
+class RequestLimits(BaseModel):
+    """What one request may hold and how long it may take; each refusal is a JSON error naming the limit."""
+
+    model_config = ConfigDict(extra="forbid")
+    max_body_bytes: int = Field(MAX_BODY_BYTES, ge=1024, description="larger bodies get 413")
+    max_header_bytes: int = Field(
+        MAX_HEADER_BYTES, ge=1024, description="request line and headers together; more get 431, cut off as they arrive"
+    )
+    max_headers: int = Field(100, ge=8, description="request headers; more get 431")
+    max_rows: int = Field(64, ge=1, description="sequences per request; more get 400")
+    body_timeout_s: float = Field(10.0, gt=0, description="the whole body must arrive within this; else 408")
+    header_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="the request line and headers must arrive within this of the connection's start (on a kept-alive "
+        "connection: of the next request's first byte), however they trickle; else 408 and a close. A connection "
+        "that sends nothing is closed. Enforced by the ingress's own server (ingress.port)",
+    )
+    max_connections: int = Field(
+        4096,
+        ge=8,
+        description="open connections to the ingress's own server (ingress.port); one more is answered 503 with "
+        "Retry-After and closed. Keep it well under the replica's file descriptor limit (ulimit -n; 20,000 where it "
+        "was tested): Ray's own sockets, the model files and refusals still closing need the rest, and each "
+        "connection may hold a head of max_header_bytes",
+    )
+    drain_s: float = Field(
+        8.0, ge=0, description="on SIGTERM: readiness 503 at once, requests in progress get this long to finish"
+    )
+    max_in_flight: int = Field(
+        1024, ge=1, description="inference requests in progress per ingress replica, every model; more get 503"
+    )
 
 
 def check_header_count(count: int, limits: RequestLimits) -> None:

@@ -61,13 +61,14 @@ def test_serves_grpc_proxy_is_held_to_the_body_limit_only_where_it_serves_grpc()
     assert ray_env.GRPC_PROXY_LIMIT_VAR not in ray_env.ray_env("127.0.0.1")
 
 
-def test_more_than_one_ingress_replica_on_the_api_port_is_refused_in_one_line(tiny_models_dir, tmp_path, capsys):
+def test_num_replicas_with_the_api_port_is_refused_in_one_line_naming_processes(tiny_models_dir, tmp_path, capsys):
     config = tmp_path / "serve.yaml"
     config.write_text("ingress:\n  num_replicas: 2\n")
     assert launcher.main(["--models", str(tiny_models_dir), "--config", str(config), "--port", str(free_port())]) == 2
     err = capsys.readouterr().err.strip()
     assert (
-        err == "mha-serving serve: invalid config: ingress: ingress.port: one ingress replica listens on a port; "
+        err == "mha-serving serve: invalid config: ingress: ingress.port: the replicas on the ingress's own ports are "
+        "`processes`; "
         "set num_replicas 1, no autoscaling"
     )
 

@@ -3,13 +3,15 @@ GPU may serve it), refused where it cannot be honoured, and what the local launc
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from pydantic import ValidationError
 
 from benchmarks.serving.stages import classify, stage_shares
 from contract.metadata import ModelMetadata
 from service.batching import BatchPolicy
-from service.config import AppConfig
+from service.config import AppConfig, default_processes
 from service.engine import LIGHT_MODEL_FLOPS, EngineSettings, flops_per_token
 from service.local.launcher import cpus_needed
 
@@ -76,11 +78,24 @@ def test_ort_threads_default_to_every_core_up_to_four_co_located_and_to_num_cpus
     assert AppConfig().deployment.light_model_threads == 1 and AppConfig().ingress.coalesce
 
 
-def test_one_ingress_replica_may_listen_on_a_port():
-    assert AppConfig(ingress={"port": 8000}).ingress.port == 8000
+def test_the_replicas_on_the_ingresss_own_ports_are_its_processes_and_num_replicas_is_for_serves_proxy():
+    assert AppConfig(ingress={"port": 8000, "processes": 3}).ingress.scaling() == {"num_replicas": 3}
+    assert AppConfig(ingress={"grpc_port": 8001, "processes": 2}).ingress.scaling() == {"num_replicas": 2}
+    assert AppConfig(ingress={"num_replicas": 4, "processes": 3}).ingress.scaling() == {"num_replicas": 4}
     for ingress in ({"port": 8000, "num_replicas": 2}, {"port": 8000, "autoscaling": {"max_replicas": 2}}):
-        with pytest.raises(ValidationError, match="one ingress replica listens on a port"):
+        with pytest.raises(ValidationError, match="the replicas on the ingress's own ports are `processes`"):
             AppConfig(ingress=ingress)
+
+
+@pytest.mark.parametrize(("cpus", "processes"), [(1, 1), (2, 1), (3, 1), (4, 2), (16, 8)])
+def test_a_node_gets_one_serving_process_per_two_cores_by_default(cpus, processes):
+    assert default_processes(cpus) == processes
+
+
+def test_co_located_models_share_the_cores_among_the_serving_processes():
+    settings = AppConfig().deployment
+    one, two = settings.threads("colocated"), settings.threads("colocated", processes=2)
+    assert two == max(1, min(one, (os.cpu_count() or 1) // 2))
 
 
 def _meta(d_model: int, layers: int) -> ModelMetadata:

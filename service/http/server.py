@@ -20,12 +20,15 @@ from service.load import Load
 KEEP_ALIVE_S = 30  # idle keep-alive connections are closed after this (uvicorn's default 5 s cut load generators off)
 
 
-def _listening_socket(host: str, port: int) -> socket.socket:
+def _listening_socket(host: str, port: int, shared: bool) -> socket.socket:
     """A socket bound to host:port, reusing the address: after a crash, the old connections' TIME_WAIT must not keep
-    a restarted replica off its port."""
+    a restarted replica off its port. `shared`: the node's other serving processes bind it too (SO_REUSEPORT, the
+    kernel spreads connections among them); else a second server on the port fails."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if shared:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError as exc:
@@ -65,7 +68,7 @@ class AccessLog:
 class HttpServer:
     """One uvicorn server over `app`, started on the running event loop; bound at construction, so a port that
     cannot be had fails the replica's start, saying why. Its requests in progress are counted in `load` (from their
-    head), its connections in `connection_metrics`."""
+    head), its connections in `connection_metrics`; `headers` go with every response."""
 
     def __init__(
         self,
@@ -76,6 +79,8 @@ class HttpServer:
         access_log: bool = False,
         keep_alive_s: int = KEEP_ALIVE_S,
         load: Load | None = None,
+        shared: bool = False,
+        headers: list[tuple[str, str]] | None = None,
     ) -> None:
         self.connection_metrics = ConnectionMetrics()
         self.load = load if load is not None else Load()
@@ -88,10 +93,11 @@ class HttpServer:
             access_log=False,  # uvicorn's own access logger is reconfigured by Serve in a replica: AccessLog instead
             timeout_keep_alive=keep_alive_s,
             server_header=False,
+            headers=headers or [],  # added to every response by uvicorn itself
             proxy_headers=False,  # it faces clients itself: no X-Forwarded-* rewriting of every request's scope
         )
         self._server = uvicorn_adapter.SignalFreeServer(config)
-        self._socket = _listening_socket(host, port)
+        self._socket = _listening_socket(host, port, shared)
         self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[self._socket]))
 
     def requests_in_progress(self) -> int:

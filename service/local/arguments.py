@@ -52,7 +52,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--port and --grpc-port itself",
     )
     p.add_argument("--access-log", action="store_true", help="log every request (off by default: it costs latency)")
+    p.add_argument(
+        "--processes",
+        type=_positive,
+        help="serving processes sharing --port and --grpc-port, each with its own co-located models (default: the "
+        "config's ingress.processes, else one per two cores)",
+    )
     return p.parse_args(argv)
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"a whole number of at least 1, not {text!r}")
+    return int(text)
 
 
 def load_config(args: argparse.Namespace) -> AppConfig:

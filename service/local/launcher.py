@@ -38,7 +38,9 @@ def cpus_needed(config: AppConfig, names: list[str]) -> float:
     """Logical CPUs Ray must have for every replica: the models in their own deployments, the ingress, Serve."""
     remote = [n for n in names if config.placement_for(n, cluster_gpus=0) == "deployment"]
     per_model = sum(config.settings_for(n).num_cpus * config.settings_for(n).num_replicas for n in remote)
-    return per_model + config.ingress.num_cpus * config.ingress.num_replicas + 1  # +1: Serve's controller and proxy
+    ingress = config.ingress
+    replicas = ingress.process_count() if ingress.on_own_ports else ingress.num_replicas
+    return per_model + ingress.num_cpus * replicas + 1  # +1: Serve's controller and proxy
 
 
 @dataclass(frozen=True)
@@ -53,17 +55,22 @@ class LocalServe:
     dashboard: bool = False
     access_log: bool = False
     grpc_port: int | None = None  # gRPC: the ingress replica's own port (direct), else Serve's gRPC proxy's; None: none
+    processes: int | None = None  # serving processes sharing the ports (direct); None: the config's, or the default
 
 
 def local_config(config: AppConfig, opts: LocalServe) -> AppConfig:
     """`config` as this server runs it: the ingress listening on the API's address and the gRPC port itself (unless
     through Serve's proxies); LaunchError if the config then does not hold (more than one ingress replica on a port,
     say)."""
+    if opts.processes is not None and not opts.direct:
+        raise LaunchError("--processes share the ingress's own ports; behind --proxy, set ingress.num_replicas")
     raw = config.model_dump(exclude_unset=True)
     raw["models_dir"] = str(Path(config.models_dir).resolve())  # Serve builds the application in another process
     ingress = {**raw.get("ingress", {}), "host": opts.host, "grpc_port": None}
     if opts.direct:
         ingress.update(port=opts.port, grpc_port=opts.grpc_port, access_log=opts.access_log)
+        if opts.processes is not None:
+            ingress["processes"] = opts.processes
     raw["ingress"] = ingress
     return validated(raw)
 
@@ -183,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     opts = LocalServe(args.host, args.port, args.metrics_port, not args.proxy, args.num_cpus)
     opts = replace(opts, dashboard=args.dashboard, access_log=args.access_log, grpc_port=args.grpc_port or None)
+    opts = replace(opts, processes=args.processes)
     try:
         config = local_config(load_config(args), opts)
         checked(config)

@@ -50,10 +50,11 @@ class GrpcServer:
     """One grpc.aio server on the running event loop, bound at construction (a port that cannot be had fails the
     replica's start, saying why); messages over limits.max_body_bytes are refused by gRPC itself."""
 
-    def __init__(self, plane: DataPlane, host: str, port: int, limits: RequestLimits) -> None:
+    def __init__(self, plane: DataPlane, host: str, port: int, limits: RequestLimits, shared: bool = False) -> None:
         options = [
             ("grpc.max_receive_message_length", limits.max_body_bytes),
-            ("grpc.so_reuseport", 0),  # a second server on the port must fail, not share it
+            # shared by the node's serving processes, or else a second server on the port must fail
+            ("grpc.so_reuseport", int(shared)),
         ]
         self._server = grpc.aio.server(handlers=handlers(plane), options=options)
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
