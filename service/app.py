@@ -29,6 +29,18 @@ def gpu_share(backend: str, cluster_gpus: float, n_models: int) -> float:
     return min(1.0, cluster_gpus / n_models)
 
 
+def ingress_gpus(config: AppConfig, colocated: list[str], cluster_gpus: float) -> float:
+    """GPUs per ingress replica: `ingress.num_gpus`, else a share of the cluster's when a co-located model may use
+    one (each serving process runs its GPU models in-process: no Ray call per batch)."""
+    ingress = config.ingress
+    if ingress.num_gpus is not None:
+        return ingress.num_gpus
+    if not any(config.may_use_gpu(name, cluster_gpus) for name in colocated):
+        return 0.0
+    replicas = ingress.process_count() if ingress.on_own_ports else ingress.num_replicas
+    return gpu_share("gpu", cluster_gpus, replicas)
+
+
 def build_app(args: AppConfig | dict[str, Any] | None = None) -> Application:
     config = args if isinstance(args, AppConfig) else AppConfig.model_validate(args or {})
     models_dir = str(Path(config.models_dir).resolve())  # replicas may not share the builder's working directory
@@ -50,7 +62,7 @@ def build_app(args: AppConfig | dict[str, Any] | None = None) -> Application:
     return Ingress.options(
         name=INGRESS_NAME,
         **ingress.scaling(),
-        ray_actor_options={"num_cpus": ingress.num_cpus},
+        ray_actor_options={"num_cpus": ingress.num_cpus, "num_gpus": ingress_gpus(config, colocated, cluster_gpus)},
         max_ongoing_requests=ingress.max_ongoing_requests,
         max_queued_requests=ingress.max_queued_requests,
         health_check_period_s=ingress.health_check_period_s,
@@ -58,10 +70,11 @@ def build_app(args: AppConfig | dict[str, Any] | None = None) -> Application:
     ).bind(remote, colocated, config)
 
 
-def routes_config(config: AppConfig) -> dict[str, Any]:
+def routes_config(config: AppConfig, draining: bool = False) -> dict[str, Any]:
     """The ingress's user_config: its routes, which Serve changes in place (`Ingress.reconfigure`) on a redeploy
-    that changes nothing else."""
-    return {"routes": {name: route.model_dump() for name, route in config.routes.items()}}
+    that changes nothing else, and whether every replica drains (a redeploy that Serve applies once each has)."""
+    routes = {"routes": {name: route.model_dump() for name, route in config.routes.items()}}
+    return {**routes, "draining": True} if draining else routes
 
 
 def failure_reasons(app_name: str) -> dict[str, str]:

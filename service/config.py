@@ -124,6 +124,12 @@ class IngressSettings(BaseModel):
     num_replicas: int = Field(1, ge=1, description="fixed replica count (ignored when autoscaling is set)")
     autoscaling: Autoscaling | None = None
     num_cpus: float = Field(0.0, ge=0, description="logical CPUs per replica: co-located models run on these")
+    num_gpus: float | None = Field(
+        None,
+        ge=0,
+        description="GPUs per replica; None: a share of the cluster's GPUs (GPUs / replicas, at most 1) when a "
+        "co-located model may use one, else 0",
+    )
     max_ongoing_requests: int = Field(
         2048,
         ge=1,
@@ -255,18 +261,6 @@ class AppConfig(BaseModel):
     server_name: str = "mha-serving"
 
     @model_validator(mode="after")
-    def _check_placements(self) -> AppConfig:
-        for where, settings in [
-            ("deployment", self.deployment),
-            *(("overrides." + k, v) for k, v in self.overrides.items()),
-        ]:
-            if settings.placement == "colocated" and (settings.backend or self.backend) == "gpu":
-                raise ValueError(
-                    f"{where}: placement colocated runs on the ingress's CPU; backend gpu needs placement deployment"
-                )
-        return self
-
-    @model_validator(mode="after")
     def _check_overload_order(self) -> AppConfig:
         if self.limits.max_in_flight >= self.ingress.max_ongoing_requests:
             raise ValueError(
@@ -279,12 +273,18 @@ class AppConfig(BaseModel):
         return self.overrides.get(name, self.deployment)
 
     def placement_for(self, name: str, cluster_gpus: float) -> Literal["colocated", "deployment"]:
-        """Where a model runs: its setting, or for `auto` its own deployment when it may use a GPU, else co-located."""
+        """Where a model runs: its setting, or for `auto` co-located, except a model that may use a GPU behind
+        Serve's proxies (its own GPU deployment there; the serving processes on their own ports get GPU shares)."""
         placement = self.settings_for(name).placement
         if placement != "auto":
             return placement
+        if self.ingress.on_own_ports:
+            return "colocated"
+        return "deployment" if self.may_use_gpu(name, cluster_gpus) else "colocated"
+
+    def may_use_gpu(self, name: str, cluster_gpus: float) -> bool:
         backend = self.backend_for(name)
-        return "deployment" if backend == "gpu" or (backend == "auto" and cluster_gpus > 0) else "colocated"
+        return backend == "gpu" or (backend == "auto" and cluster_gpus > 0)
 
     def backend_for(self, name: str) -> Backend:
         """A model's backend: its settings' `backend` when set (e.g. `gpu` on GPU workers), else the application's."""

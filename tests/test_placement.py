@@ -10,6 +10,7 @@ from pydantic import ValidationError
 
 from benchmarks.serving.stages import classify, stage_shares
 from contract.metadata import ModelMetadata
+from service.app import ingress_gpus
 from service.batching import BatchPolicy
 from service.config import AppConfig, default_processes
 from service.engine import LIGHT_MODEL_FLOPS, EngineSettings, flops_per_token
@@ -22,14 +23,20 @@ NAMES = ["mha-h2-d32", "mha-h4-d32"]
     ("backend", "cluster_gpus", "expected"),
     [("cpu", 0, "colocated"), ("cpu", 2, "colocated"), ("auto", 0, "colocated"), ("auto", 1, "deployment")],
 )
-def test_auto_placement_colocates_cpu_models_and_gives_possible_gpu_models_their_own_deployment(
+def test_auto_placement_behind_serves_proxies_colocates_cpu_models_and_gives_possible_gpu_models_a_deployment(
     backend, cluster_gpus, expected
 ):
     config = AppConfig(backend=backend)
     assert config.placement_for("mha-h2-d32", cluster_gpus) == expected
 
 
-def test_a_gpu_backend_is_placed_in_its_own_deployment_even_without_gpus_so_it_can_fail_saying_why():
+@pytest.mark.parametrize("backend", ["cpu", "auto", "gpu"])
+def test_auto_placement_on_the_ingresss_own_ports_colocates_every_model_gpu_ones_included(backend):
+    config = AppConfig(backend=backend, ingress={"port": 8000})
+    assert config.placement_for("mha-h2-d32", cluster_gpus=1) == "colocated"
+
+
+def test_a_gpu_backend_behind_serves_proxies_gets_its_own_deployment_even_without_gpus_so_it_can_fail_saying_why():
     config = AppConfig(overrides={"mha-h4-d32": {"backend": "gpu"}})
     assert config.placement_for("mha-h4-d32", 0) == "deployment"
     assert config.placement_for("mha-h2-d32", 0) == "colocated"
@@ -44,16 +51,23 @@ def test_an_explicit_placement_wins():
 
 
 @pytest.mark.parametrize(
-    "config",
+    ("ingress", "cluster_gpus", "expected"),
     [
-        {"deployment": {"placement": "colocated", "backend": "gpu"}},
-        {"backend": "gpu", "deployment": {"placement": "colocated"}},
-        {"overrides": {"mha-h2-d32": {"placement": "colocated", "backend": "gpu"}}},
+        ({"port": 8000, "processes": 4}, 1, 0.25),  # each serving process a quarter of the node's GPU
+        ({"port": 8000, "processes": 2}, 4, 1.0),  # at most one GPU each
+        ({"port": 8000, "processes": 2}, 0, 0.0),  # no GPU: the engines say why at start
+        ({"port": 8000, "processes": 2, "num_gpus": 0.5}, 4, 0.5),  # set: as set
+        ({"num_replicas": 2}, 1, 0.5),  # behind Serve's proxies: per ingress replica
     ],
 )
-def test_colocated_with_a_gpu_backend_is_refused_naming_the_fix(config):
-    with pytest.raises(ValidationError, match="gpu needs placement deployment"):
-        AppConfig.model_validate(config)
+def test_serving_processes_with_co_located_gpu_models_get_a_share_of_the_gpus(ingress, cluster_gpus, expected):
+    config = AppConfig(backend="gpu", deployment={"placement": "colocated"}, ingress=ingress)
+    assert ingress_gpus(config, ["mha-h2-d32"], cluster_gpus) == expected
+
+
+def test_serving_processes_without_a_co_located_gpu_model_get_no_gpu():
+    config = AppConfig(backend="cpu", ingress={"port": 8000, "processes": 2})
+    assert ingress_gpus(config, ["mha-h2-d32"], cluster_gpus=2) == 0.0
 
 
 def test_an_unknown_placement_is_refused():
