@@ -20,7 +20,7 @@ from benchmarks.scale.report import plot, printed, write_json
 from benchmarks.scale.sample import GpuSampler
 from benchmarks.scale.servers import level_sides, serve_level, start_all, started, stop_all
 from benchmarks.scale.verdict import verdict
-from benchmarks.serving.rounds import interleaved, joined, rounds
+from benchmarks.serving.rounds import Side, interleaved, joined, rounds
 from contract.metadata import MODEL_FILE
 
 
@@ -114,7 +114,30 @@ def measured(args, cores: int, names: dict[str, str], levels: list[Level]) -> tu
             parts[prefix] = bare_ort.sides(args.models, name, args.backend, cores, scans[precision], prefix)
             for level in (x for x in levels if x.precision == precision):
                 parts[level.label] = level_sides(pool, servers[level.label], gpu, args, level, name)
-        return scans, rounds(interleaved(parts), args.rounds, args.seconds), info
+        return scans, rounds(announced(interleaved(parts)), args.rounds, args.seconds), info
+
+
+HEADLINES = (
+    ("rate", "{:,.0f} req/s"),
+    ("best_rate", "{:,.0f} seq/s"),
+    ("c1_p50_ms", "{:.2f} ms"),
+    ("p50_ms", "{:.2f} ms"),
+)
+
+
+def announced(sides: dict[str, Side]) -> dict[str, Side]:
+    """The same sides, each printing its headline figure once measured: a run of many levels shows progress."""
+
+    def printing(label: str, measure):
+        def run(seconds: float) -> dict:
+            got = measure(seconds)
+            figure = next((fmt.format(got[key]) for key, fmt in HEADLINES if key in got), "")
+            print(f"  {label}: {figure}", flush=True)
+            return got
+
+        return run
+
+    return {label: (printing(label, measure), server) for label, (measure, server) in sides.items()}
 
 
 def facts_of(args, cores: int) -> dict:
