@@ -1,7 +1,8 @@
 """`mha-serving serve`: an embedded local Ray, Serve on host:port, the application from `build_app`, then block.
 
-Ctrl-C or SIGTERM shuts Serve and Ray down; SIGHUP reads the config again and applies its routes in place. Errors a
-user can fix are one line on stderr and exit code 2. No torch.
+The process started runs the server in a child of its own (service/local/supervisor.py): Ctrl-C or SIGTERM, to it or
+to its process group, drains and shuts Serve and Ray down; SIGHUP reads the config again and applies its routes in
+place. Errors a user can fix are one line on stderr and exit code 2. No torch.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 from service.config import AppConfig
 from service.errors import ModelFileError
-from service.local import ports
+from service.local import ports, supervisor
 from service.local.arguments import (
     DEFAULT_METRICS_PORT,
     DEFAULT_PORT,
@@ -29,7 +30,6 @@ from service.local.drain import drain, stop_ray
 from service.local.ray_env import set_ray_env
 from service.model_store import find_models
 from service.routes import RouteConfigError, RouteTable
-from service.rpc.servicers import SERVE_SERVICERS
 
 APP_NAME = "mha"
 
@@ -109,6 +109,8 @@ def start_local(config: AppConfig, opts: LocalServe) -> None:
     if opts.direct:  # the ingress serves the API itself: no proxy, so no second way in
         serve.start(proxy_location="Disabled")
     else:
+        from service.rpc.servicers import SERVE_SERVICERS  # gRPC's modules: in the server process only
+
         grpc = {"port": opts.grpc_port, "grpc_servicer_functions": SERVE_SERVICERS} if proxied_grpc else None
         serve.start(http_options={"host": opts.host, "port": opts.port}, grpc_options=grpc)
     from service.local import serve_deploy  # imports Ray: after set_ray_env
@@ -187,7 +189,10 @@ def report(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    """Check what a user can fix (exit 2), then run the server in a process of its own under this one (see
+    service/local/supervisor.py), or, in that process, serve."""
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
     opts = LocalServe(args.host, args.port, args.metrics_port, not args.proxy, args.num_cpus)
     opts = replace(opts, dashboard=args.dashboard, access_log=args.access_log, grpc_port=args.grpc_port or None)
     opts = replace(opts, processes=args.processes)
@@ -202,6 +207,15 @@ def main(argv: list[str] | None = None) -> int:
     except (LaunchError, ModelFileError, ports.PortError) as exc:
         print(f"mha-serving serve: {exc}", file=sys.stderr)
         return 2
+    if not supervisor.is_server():
+        server = [sys.executable, "-m", __spec__.name, *argv]
+        return supervisor.supervise(server, config.limits.drain_s + supervisor.STOP_MARGIN_S)
+    supervisor.die_with_supervisor()
+    return serve(args, opts, config)
+
+
+def serve(args: argparse.Namespace, opts: LocalServe, config: AppConfig) -> int:
+    """Start, serve until SIGTERM (the supervisor's, for any stop signal), drain, stop; the exit status."""
     try:
         start_local(config, opts)
         report(args)
@@ -211,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
             if hangup.wait(1.0):
                 hangup.clear()
                 config = reload(args, opts, config)
-    except KeyboardInterrupt:  # Ctrl-C or SIGTERM, maybe while still starting: the ingress may already be serving
+    except KeyboardInterrupt:  # SIGTERM, maybe while still starting: the ingress may already be serving
         if ray_started():
             print(f"\nmha-serving: draining (up to {config.limits.drain_s:g} s)...", file=sys.stderr, flush=True)
             left, waited = drain(APP_NAME, config.limits.drain_s)
@@ -240,7 +254,7 @@ def _failures() -> dict[str, str]:
 
 
 def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt  # SIGTERM shuts down like Ctrl-C
+    raise KeyboardInterrupt  # SIGTERM shuts down as Ctrl-C would: drain, and a second one ends the drain
 
 
 def _first_reason(exc: Exception) -> str:
