@@ -19,8 +19,9 @@ SHUTDOWN_WITHOUT_GCS_S = 2.0
 def drain(app_name: str, period_s: float, ingress: str = "ingress") -> tuple[int, float]:
     """Tell the app's ingress to drain, then wait until it has no inference request in progress or `period_s` has
     passed; (requests still in progress at the end, seconds waited; -1: unknown). A second Ctrl-C or SIGTERM ends
-    the wait. Bounded even when Ray's control processes are gone (a SIGTERM to the whole process group, as systemd
-    or `timeout` send, reaches Ray's GCS too, and every call to it would then wait 60 s for a reconnect)."""
+    the wait. Bounded even when Ray's control processes are gone (a SIGTERM to every process of the server, as
+    systemd's KillMode=control-group sends it, reaches Ray's GCS too, and every call to it would then wait 60 s for a
+    reconnect)."""
     start = time.monotonic()
     outcome: list[int] = []
     worker = threading.Thread(
@@ -32,7 +33,8 @@ def drain(app_name: str, period_s: float, ingress: str = "ingress") -> tuple[int
             worker.join(GCS_CHECK_S)
             if worker.is_alive() and not gcs_reachable():
                 print(
-                    "mha-serving: Ray's GCS is gone (the signal reached its process group); not draining",
+                    "mha-serving: Ray's GCS is gone (the signal reached Ray's own processes too; under systemd set "
+                    "KillMode=mixed); not draining",
                     file=sys.stderr,
                 )
                 return -1, time.monotonic() - start
@@ -85,7 +87,7 @@ async def _call(method) -> int:
 
 def stop_ray() -> bool:
     """End the embedded Ray (and every Serve replica in it); False when it could not in time. With its GCS gone (a
-    signal to the whole process group), Ray's driver shutdown waits on it for ~8 s (measured): it gets
+    signal to every process of the server), Ray's driver shutdown waits on it for ~8 s (measured): it gets
     SHUTDOWN_WITHOUT_GCS_S, and the caller should then exit at once (Ray's exit hook would wait again); the replicas
     end with their raylet."""
     import ray
