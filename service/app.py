@@ -70,11 +70,12 @@ def build_app(args: AppConfig | dict[str, Any] | None = None) -> Application:
     ).bind(remote, colocated, config)
 
 
-def routes_config(config: AppConfig, draining: bool = False) -> dict[str, Any]:
+def routes_config(config: AppConfig, drain_until: float | None = None) -> dict[str, Any]:
     """The ingress's user_config: its routes, which Serve changes in place (`Ingress.reconfigure`) on a redeploy
-    that changes nothing else, and whether every replica drains (a redeploy that Serve applies once each has)."""
+    that changes nothing else; with `drain_until` (a time.time()), every replica drains, and the reconfigure of each
+    ends once it has no request in progress or at that time."""
     routes = {"routes": {name: route.model_dump() for name, route in config.routes.items()}}
-    return {**routes, "draining": True} if draining else routes
+    return routes if drain_until is None else {**routes, "drain_until": drain_until}
 
 
 def failure_reasons(app_name: str) -> dict[str, str]:

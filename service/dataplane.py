@@ -28,6 +28,7 @@ from service.shadow import Agreement, Mirror, ShadowTraffic
 from service.validation import rows_of
 
 logger = logging.getLogger(__name__)
+DRAIN_POLL_S = 0.05
 CLIENT_CLOSED = 499  # nginx's code for a request whose client closed the connection first (metrics only)
 
 
@@ -84,6 +85,14 @@ class DataPlane:
         """Readiness answers 503 from now on (a load balancer stops sending); requests keep being served. Returns
         the inference requests in progress (the launcher waits for them, up to limits.drain_s)."""
         self._draining = True
+        return self.load.inference
+
+    async def drained(self, until: float) -> int:
+        """`drain`, then wait until no inference request is in progress or it is `until` (a time.time()); those
+        left."""
+        self.drain()
+        while self.load.inference > 0 and time.time() < until:
+            await asyncio.sleep(DRAIN_POLL_S)
         return self.load.inference
 
     async def model_status(self, name: str, version: str | None = None) -> ModelStatus:

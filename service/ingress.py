@@ -74,12 +74,15 @@ class Ingress:
         if ingress.grpc_port is not None:
             self._grpc = GrpcServer(self.plane, ingress.host, ingress.grpc_port, limits, shared)
 
-    def reconfigure(self, user_config: dict[str, Any]) -> None:
+    async def reconfigure(self, user_config: dict[str, Any]) -> None:
         """Serve's in-place reconfigure (the deployment's user_config changed, no restart): install its routes whole.
         Invalid routes fail a starting replica, saying why; a running one logs why and keeps serving the routes it
-        has (Serve would otherwise replace every replica with one that cannot start)."""
+        has (Serve would otherwise replace every replica with one that cannot start). `drain_until`: this process
+        drains, and the reconfigure ends once it has no request in progress or at that time."""
         if self.plane.models.install_routes(user_config.get("routes") or {}):
             self._app.openapi_schema = None  # the document names the routes: built again on its next request
+        if (until := user_config.get("drain_until")) is not None:
+            await self.plane.drained(until)
 
     def __serve_build_asgi_app__(self):
         """Serve's hook for an application built by the replica: the one application, for Serve's proxy."""
@@ -91,11 +94,7 @@ class Ingress:
             if server is not None:
                 server.check()
 
-    # ---- drain (the local launcher calls these through a handle) ----
     def drain(self) -> int:
-        """Readiness answers 503 from now on; returns the inference requests in progress (the launcher waits for
-        them, up to limits.drain_s)."""
+        """This replica's readiness answers 503 from now on; returns its inference requests in progress. (The
+        launcher drains every replica through `reconfigure`.)"""
         return self.plane.drain()
-
-    def in_flight(self) -> int:
-        return self.plane.load.inference

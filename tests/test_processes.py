@@ -1,12 +1,14 @@
 """Several serving processes on one node (`mha-serving serve --processes 2`): both accept on the same HTTP and gRPC
 ports (the kernel spreads connections; the `x-served-by` header names the process that answered), a routing key
-picks the same target whichever answers, a route reload reaches both, and a SIGKILLed process is replaced while the
-other keeps serving. One real server for the file, on loopback."""
+picks the same target whichever answers, a route reload reaches both, a SIGKILLed process is replaced while the
+other keeps serving, and SIGTERM drains both. One real server for the file, on loopback."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -20,6 +22,7 @@ from serving import serve_process
 from benchmarks.harness.processes import descendants_named
 from contract.rpc import inference_pb2 as pb
 from contract.rpc import inference_pb2_grpc as pb_grpc
+from loadtest.http_client import post_bytes
 from service.ingress import SERVED_BY
 from service.local.ports import free_port
 from service.routes import ROUTE_KEY
@@ -37,7 +40,7 @@ class Server:
     def __init__(self, proc, config: Path, models_dir: Path, ports: tuple[int, int, int], log: Path) -> None:
         self.proc, self.config, self.models_dir, self.log = proc, config, models_dir, log
         port, grpc_port, metrics_port = ports
-        self.base, self.grpc_address = f"http://127.0.0.1:{port}", f"127.0.0.1:{grpc_port}"
+        self.port, self.base, self.grpc_address = port, f"http://127.0.0.1:{port}", f"127.0.0.1:{grpc_port}"
         self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
 
     def predict(self, name: str, key: str | None = None) -> httpx.Response:
@@ -152,3 +155,37 @@ def test_a_killed_process_is_replaced_while_the_other_keeps_serving(server):
     assert after_kill and all(code == 200 for code in after_kill), after_kill[:20]
     failed_at_kill = [code for t, code in outcomes if t <= killed + 1.0 and code != 200]
     assert len(failed_at_kill) <= 4, failed_at_kill  # at most the requests the victim held or had just accepted
+
+
+def _read_answer(sock: socket.socket) -> tuple[int, str]:
+    """(status, x-served-by) of the one response on `sock`."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return 0, ""
+        data += chunk
+    head = data.split(b"\r\n\r\n", 1)[0].decode("latin-1").split("\r\n")
+    headers = dict(line.split(": ", 1) for line in head[1:] if ": " in line)
+    return int(head[0].split()[1]), headers.get(SERVED_BY, "")
+
+
+def test_sigterm_drains_every_process_and_each_request_in_progress_gets_its_answer(server):
+    """Last in the file: it stops the server. Requests whose bodies are still arriving are in progress in both
+    processes when SIGTERM comes; readiness turns 503 on both, and every one of them is answered."""
+    body = json.dumps({"text": "in flight"}).encode()
+    whole = post_bytes("/v1/models/mha-h2-d32/predict", body)
+    socks = [socket.create_connection(("127.0.0.1", server.port), timeout=30) for _ in range(12)]
+    for sock in socks:
+        sock.sendall(whole[:-4])  # the head and all but the body's last bytes: admitted, reading the body
+    time.sleep(0.5)
+    server.proc.send_signal(signal.SIGTERM)
+    time.sleep(1.5)
+    readiness = {httpx.get(f"{server.base}/v2/health/ready", timeout=10).status_code for _ in range(12)}
+    for sock in socks:
+        sock.sendall(whole[-4:])
+    answers = [_read_answer(sock) for sock in socks]
+    assert server.proc.wait(timeout=30) == 0, server.log.read_text()[-3000:]
+    assert readiness == {503}, readiness
+    assert [code for code, _ in answers] == [200] * len(socks), answers
+    assert len({who for _, who in answers}) == 2, answers

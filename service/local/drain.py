@@ -1,31 +1,34 @@
-"""Graceful stop of a local server: readiness answers 503 at once, inference requests in progress finish within the
-drain period, then the embedded Ray goes down with everything in it (Serve's own shutdown took 3-30 s). No torch.
+"""Graceful stop of a local server: every serving process's readiness answers 503 at once, inference requests in
+progress finish within the drain period, then the embedded Ray goes down with everything in it (Serve's own shutdown
+took 3-30 s). No torch.
 """
 
 from __future__ import annotations
 
-import asyncio
 import socket
 import sys
 import threading
 import time
+from typing import Any
 
-POLL_S = 0.05
-CALL_TIMEOUT_S = 2.0
+from service.config import AppConfig
+
+CALL_TIMEOUT_S = 2.0  # Serve's own share of a drain: applying the config to every replica, reporting back
 GCS_CHECK_S = 0.1  # while draining, how often to check that Ray's GCS is still there
 SHUTDOWN_WITHOUT_GCS_S = 2.0
 
 
-def drain(app_name: str, period_s: float, ingress: str = "ingress") -> tuple[int, float]:
-    """Tell the app's ingress to drain, then wait until it has no inference request in progress or `period_s` has
-    passed; (requests still in progress at the end, seconds waited; -1: unknown). A second Ctrl-C or SIGTERM ends
-    the wait. Bounded even when Ray's control processes are gone (a SIGTERM to every process of the server, as
-    systemd's KillMode=control-group sends it, reaches Ray's GCS too, and every call to it would then wait 60 s for a
-    reconnect)."""
+def drain(app_name: str, period_s: float, config: AppConfig, logging_config: dict[str, Any]) -> tuple[int, float]:
+    """Tell every serving process of the app to drain, then wait until none has an inference request in progress or
+    `period_s` has passed; (0 when all drained in time, -1 when not or unknown; seconds waited). A second Ctrl-C or
+    SIGTERM ends the wait. Bounded even when Ray's control processes are gone (a SIGTERM to every process of the
+    server, as systemd's KillMode=control-group sends it, reaches Ray's GCS too, and every call to it would then wait
+    60 s for a reconnect)."""
     start = time.monotonic()
     outcome: list[int] = []
+    until = time.time() + period_s
     worker = threading.Thread(
-        target=lambda: outcome.append(_drain_or_say_why(app_name, ingress, start + period_s)), daemon=True
+        target=lambda: outcome.append(_drain_or_say_why(app_name, config, logging_config, until)), daemon=True
     )
     worker.start()
     try:
@@ -62,27 +65,22 @@ def gcs_reachable(timeout_s: float = 0.5) -> bool:
         return False
 
 
-def _drain_or_say_why(app_name: str, ingress: str, deadline: float) -> int:
+def _drain_or_say_why(app_name: str, config: AppConfig, logging_config: dict[str, Any], until: float) -> int:
+    """Two redeploys of the ingress's user_config, each applied in place to every replica: the first turns each to
+    draining at once (Serve reconfigures a few replicas at a time, so a reconfigure that waited would leave the
+    others serving meanwhile), the second waits in each for its requests in progress, up to `until` everywhere."""
+    from service.local import serve_deploy
+
+    deadline = time.monotonic() + (until - time.time()) + CALL_TIMEOUT_S
     try:
-        return asyncio.run(_drain(app_name, ingress, deadline))
+        for wait_until in (0.0, until):
+            serve_deploy.deploy(app_name, config, logging_config, drain_until=wait_until)
+            if not serve_deploy.wait_running(app_name, deadline=deadline):
+                return -1
+        return 0
     except Exception as exc:  # the ingress is gone or does not answer: nothing left to drain there
         print(f"mha-serving: could not drain the ingress ({type(exc).__name__}: {exc}); stopping", file=sys.stderr)
         return -1
-
-
-async def _drain(app_name: str, ingress: str, deadline: float) -> int:
-    from ray import serve
-
-    handle = serve.get_deployment_handle(ingress, app_name)  # Serve's handles here need a running event loop
-    left = await asyncio.wait_for(_call(handle.drain), CALL_TIMEOUT_S)
-    while left > 0 and time.monotonic() < deadline:
-        await asyncio.sleep(POLL_S)
-        left = await asyncio.wait_for(_call(handle.in_flight), CALL_TIMEOUT_S)
-    return left
-
-
-async def _call(method) -> int:
-    return await method.remote()
 
 
 def stop_ray() -> bool:

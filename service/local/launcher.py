@@ -228,8 +228,8 @@ def serve(args: argparse.Namespace, opts: LocalServe, config: AppConfig) -> int:
     except KeyboardInterrupt:  # SIGTERM, maybe while still starting: the ingress may already be serving
         if ray_started():
             print(f"\nmha-serving: draining (up to {config.limits.drain_s:g} s)...", file=sys.stderr, flush=True)
-            left, waited = drain(APP_NAME, config.limits.drain_s)
-            unfinished = f", {left} request(s) unfinished" if left > 0 else ""
+            left, waited = drain(APP_NAME, config.limits.drain_s, config, serve_logging(opts))
+            unfinished = ", requests may have been unfinished" if left else ""
             print(f"mha-serving: drained in {waited:.1f} s{unfinished}; shutting down", file=sys.stderr, flush=True)
             if not stop_ray():  # Ray's GCS went down with the signal: Ray's own exit hook would wait on it again
                 sys.stdout.flush()
