@@ -30,15 +30,15 @@ def gpu_share(backend: str, cluster_gpus: float, n_models: int) -> float:
 
 
 def ingress_gpus(config: AppConfig, colocated: list[str], cluster_gpus: float) -> float:
-    """GPUs per ingress replica: `ingress.num_gpus`, else a share of the cluster's when a co-located model may use
-    one (each serving process runs its GPU models in-process: no Ray call per batch)."""
+    """GPUs per ingress replica: `ingress.num_gpus`, else, for serving processes on their own ports with a co-located
+    model that may use a GPU, a share of the node's (each runs its GPU models in-process: no Ray call per batch).
+    Behind Serve's proxies only as set: there GPU models get deployments of their own."""
     ingress = config.ingress
     if ingress.num_gpus is not None:
         return ingress.num_gpus
-    if not any(config.may_use_gpu(name, cluster_gpus) for name in colocated):
+    if not ingress.on_own_ports or not any(config.may_use_gpu(name, cluster_gpus) for name in colocated):
         return 0.0
-    replicas = ingress.process_count() if ingress.on_own_ports else ingress.num_replicas
-    return gpu_share("gpu", cluster_gpus, replicas)
+    return gpu_share("gpu", cluster_gpus, ingress.process_count())
 
 
 def build_app(args: AppConfig | dict[str, Any] | None = None) -> Application:

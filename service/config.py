@@ -127,8 +127,8 @@ class IngressSettings(BaseModel):
     num_gpus: float | None = Field(
         None,
         ge=0,
-        description="GPUs per replica; None: a share of the cluster's GPUs (GPUs / replicas, at most 1) when a "
-        "co-located model may use one, else 0",
+        description="GPUs per replica; None: for serving processes on the ingress's own ports, a share of the "
+        "node's GPUs (GPUs / processes, at most 1) when a co-located model may use one; else 0",
     )
     max_ongoing_requests: int = Field(
         2048,

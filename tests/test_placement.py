@@ -57,7 +57,8 @@ def test_an_explicit_placement_wins():
         ({"port": 8000, "processes": 2}, 4, 1.0),  # at most one GPU each
         ({"port": 8000, "processes": 2}, 0, 0.0),  # no GPU: the engines say why at start
         ({"port": 8000, "processes": 2, "num_gpus": 0.5}, 4, 0.5),  # set: as set
-        ({"num_replicas": 2}, 1, 0.5),  # behind Serve's proxies: per ingress replica
+        ({"num_replicas": 2}, 1, 0.0),  # behind Serve's proxies: only as set (GPU models get deployments there)
+        ({"num_replicas": 2, "num_gpus": 0.5}, 1, 0.5),
     ],
 )
 def test_serving_processes_with_co_located_gpu_models_get_a_share_of_the_gpus(ingress, cluster_gpus, expected):
