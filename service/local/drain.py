@@ -66,16 +66,18 @@ def gcs_reachable(timeout_s: float = 0.5) -> bool:
 
 
 def _drain_or_say_why(app_name: str, config: AppConfig, logging_config: dict[str, Any], until: float) -> int:
-    """Two redeploys of the ingress's user_config, each applied in place to every replica: the first turns each to
-    draining at once (Serve reconfigures a few replicas at a time, so a reconfigure that waited would leave the
-    others serving meanwhile), the second waits in each for its requests in progress, up to `until` everywhere."""
+    """Redeploys of the ingress's user_config, each applied in place to every replica (about 1.5 s each, measured):
+    with several replicas, a first turns each to draining at once (Serve reconfigures a few replicas at a time, so a
+    reconfigure that waited would leave the others serving meanwhile), then one waits in each for its requests in
+    progress, up to `until` everywhere; a single replica does both in one."""
     from service.local import serve_deploy
 
     deadline = time.monotonic() + (until - time.time()) + CALL_TIMEOUT_S
+    steps = (until,) if config.ingress.scaling().get("num_replicas") == 1 else (0.0, until)
     try:
-        for wait_until in (0.0, until):
+        for wait_until in steps:
             serve_deploy.deploy(app_name, config, logging_config, drain_until=wait_until)
-            if not serve_deploy.wait_running(app_name, deadline=deadline):
+            if not serve_deploy.wait_running(app_name, poll_s=0.05, deadline=deadline):
                 return -1
         return 0
     except Exception as exc:  # the ingress is gone or does not answer: nothing left to drain there
