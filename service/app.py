@@ -17,6 +17,7 @@ from service.deployment import model_deployment
 from service.ingress import Ingress
 from service.model_store import find_models
 from service.routes import RouteTable
+from service.serve_control import ingress_user_config
 
 
 def gpu_share(backend: str, cluster_gpus: float, n_models: int) -> float:
@@ -66,16 +67,8 @@ def build_app(args: AppConfig | dict[str, Any] | None = None) -> Application:
         max_ongoing_requests=ingress.max_ongoing_requests,
         max_queued_requests=ingress.max_queued_requests,
         health_check_period_s=ingress.health_check_period_s,
-        user_config=routes_config(config),
+        user_config=ingress_user_config(config),
     ).bind(remote, colocated, config)
-
-
-def routes_config(config: AppConfig, drain_until: float | None = None) -> dict[str, Any]:
-    """The ingress's user_config: its routes, which Serve changes in place (`Ingress.reconfigure`) on a redeploy
-    that changes nothing else; with `drain_until` (a time.time()), every replica drains, and the reconfigure of each
-    ends once it has no request in progress or at that time."""
-    routes = {"routes": {name: route.model_dump() for name, route in config.routes.items()}}
-    return routes if drain_until is None else {**routes, "drain_until": drain_until}
 
 
 def failure_reasons(app_name: str) -> dict[str, str]:

@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from service.limits import RequestLimits
+from service.repository_settings import RepositorySettings
 
 Backend = Literal["auto", "cpu", "gpu"]
 Placement = Literal["auto", "colocated", "deployment"]
@@ -258,6 +259,7 @@ class AppConfig(BaseModel):
         description="route name -> its targets and shadow; served like a model (service/routes.py). Redeploying "
         "changes them without a restart (the ingress's user_config)",
     )
+    repository: RepositorySettings = RepositorySettings()
     server_name: str = "mha-serving"
 
     @model_validator(mode="after")

@@ -65,11 +65,11 @@ class DataPlane:
         self.limits = config.limits
         self.server_name = config.server_name
         self.load = Load()
-        self._metrics = IngressMetrics()
-        self.models = ServedModels(placements, config.routes, self._metrics, self._start_gauge_refresher)
+        self.metrics = IngressMetrics()
+        self.models = ServedModels(placements, config.routes, self.metrics, self._start_gauge_refresher)
         self._draining = False  # set by `drain` on SIGTERM: readiness answers 503 from then on
         self._shadows = ShadowTraffic(self._run_shadow, self._preempt, self.load.busy, self._record_shadow)
-        self._refreshes: list[Callable[[], None]] = [self._metrics.refresh]
+        self._refreshes: list[Callable[[], None]] = [self.metrics.refresh]
         self._gauge_refresher: asyncio.Task | None = None
 
     def on_refresh(self, refresh: Callable[[], None]) -> None:
@@ -128,7 +128,7 @@ class DataPlane:
         target, route = models.routes.resolve(name, route_key)
         status = await models.status(target) if target in models else None
         labels = models.labels(target, status)
-        self._metrics.started(labels)
+        self.metrics.started(labels)
         load.inference += 1
         code, rejected = 500, False
         try:
@@ -147,9 +147,9 @@ class DataPlane:
             load.inference -= 1
             elapsed = time.perf_counter() - start  # recorded once the answer is out (this task's send is next)
             loop = asyncio.get_running_loop()
-            loop.call_soon(self._metrics.finished, labels, endpoint.name, code, elapsed, rejected)
+            loop.call_soon(self.metrics.finished, labels, endpoint.name, code, elapsed, rejected)
             if route is not None:
-                self._metrics.routed_request(route.name, labels, code)
+                self.metrics.routed_request(route.name, labels, code)
             if load.inference == 0:
                 loop.call_soon(self._shadows.idle)  # after the answer, too
 
@@ -190,7 +190,7 @@ class DataPlane:
 
     def _record_shadow(self, mirror: Mirror, outcome: str, agreement: Agreement | None) -> None:
         primary, shadow = self.models.labels(mirror.primary), self.models.labels(mirror.shadow)
-        self._metrics.shadowed(mirror.route, primary, shadow, outcome, agreement)
+        self.metrics.shadowed(mirror.route, primary, shadow, outcome, agreement)
 
     # ---- gauges ----
     def _start_gauge_refresher(self) -> None:

@@ -168,6 +168,14 @@ class ModelEngine:
         """(1, T) ids of one text -> per-layer, per-head weights from model.attn.onnx; not on the `infer` path."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, self._attention.run, ids)
 
+    def busy(self) -> bool:
+        """Whether a run of this model is in flight or a request waits for one (a mirrored run included)."""
+        return self._spare is not None or (self._batcher is not None and self._batcher.busy())
+
+    def close(self) -> None:
+        """Stop the run threads once no longer served (call when not `busy`); the sessions go with the engine."""
+        self._pool.shutdown(wait=False)
+
     def _run(self, ids: np.ndarray, mask: np.ndarray, alone: bool) -> np.ndarray:
         """(N, T) ids and mask -> (N, C) logits: on every intra-op thread when the run started alone, else on its
         share of them."""

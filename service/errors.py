@@ -75,6 +75,22 @@ class HeadersTooLargeError(ServiceError):
         return {"Connection": "close"}
 
 
+class UnauthorizedError(ServiceError):
+    """401: an administrative request (the model repository API) without its token."""
+
+    status = 401
+
+
+class ConflictError(ServiceError):
+    """409: the request conflicts with how the service is configured (a route targets the model, say)."""
+
+    status = 409
+
+
+class RepositoryError(BadRequestError):
+    """400: a model the repository could not load (Triton answers a failed load so); the message says why."""
+
+
 class ModelNotFoundError(ServiceError):
     """404: no model of that name is configured."""
 

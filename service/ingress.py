@@ -6,6 +6,7 @@ gRPC proxy or on their own port. No torch.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from ray import serve
@@ -18,6 +19,7 @@ from service.engine import EngineSettings, ModelEngine
 from service.http.api import create_app
 from service.http.server import HttpServer
 from service.placement import Colocated, ModelPlacement, Remote
+from service.repository import Repository
 from service.rpc.serve_proxy import add_entry_points
 from service.rpc.server import GrpcServer
 
@@ -31,11 +33,7 @@ def placements(
 ) -> dict[str, ModelPlacement]:
     """Each model's placement: its engine in this process, or its deployment's handle (requests that wait here
     going as one Ray call per group when `ingress.coalesce` is on)."""
-    models: dict[str, ModelPlacement] = {}
-    processes = config.ingress.process_count() if config.ingress.on_own_ports else 1
-    for name in colocated:
-        settings = EngineSettings.of(config.settings_for(name), config.backend_for(name), "colocated", processes)
-        models[name] = Colocated(ModelEngine(config.models_dir, name, settings))
+    models: dict[str, ModelPlacement] = {name: open_colocated(config, name) for name in colocated}
     for name, handle in remote.items():
         coalescer = None
         if config.ingress.coalesce:
@@ -43,6 +41,13 @@ def placements(
             coalescer = Coalescer(name, handle, settings.max_batch_size, settings.max_queued_requests)
         models[name] = Remote(name, handle, coalescer)
     return models
+
+
+def open_colocated(config: AppConfig, name: str) -> Colocated:
+    """A model's engine in this process (its ORT sessions opened and warmed up: blocks)."""
+    processes = config.ingress.process_count() if config.ingress.on_own_ports else 1
+    settings = EngineSettings.of(config.settings_for(name), config.backend_for(name), "colocated", processes)
+    return Colocated(ModelEngine(config.models_dir, name, settings))
 
 
 @serve.deployment
@@ -54,12 +59,15 @@ class Ingress:
 
     def __init__(self, remote: dict[str, DeploymentHandle], colocated: list[str], config: AppConfig) -> None:
         self.plane = DataPlane(config, placements(config, remote, colocated))
-        self._app = create_app(self.plane)
+        context = serve.get_replica_context()
+        opener = functools.partial(open_colocated, config)
+        self.repository = Repository(config, self.plane.models, opener, context.app_name)
+        self._app = create_app(self.plane, self.repository)
         ingress, limits = config.ingress, config.limits
         self._server = self._grpc = None
         shared = ingress.on_own_ports and ingress.process_count() > 1
         if ingress.port is not None:  # bound once the co-located models are loaded: no connection meets a loading one
-            served_by = [(SERVED_BY, serve.get_replica_context().replica_tag)]
+            served_by = [(SERVED_BY, context.replica_tag)]
             self._server = HttpServer(
                 self._app,
                 ingress.host,
@@ -75,12 +83,19 @@ class Ingress:
             self._grpc = GrpcServer(self.plane, ingress.host, ingress.grpc_port, limits, shared)
 
     async def reconfigure(self, user_config: dict[str, Any]) -> None:
-        """Serve's in-place reconfigure (the deployment's user_config changed, no restart): install its routes whole.
+        """Serve's in-place reconfigure (the deployment's user_config changed, no restart): load and unload models
+        (service/repository.py) and install the routes whole.
         Invalid routes fail a starting replica, saying why; a running one logs why and keeps serving the routes it
         has (Serve would otherwise replace every replica with one that cannot start). `drain_until`: this process
         drains, and the reconfigure ends once it has no request in progress or at that time."""
-        if self.plane.models.install_routes(user_config.get("routes") or {}):
-            self._app.openapi_schema = None  # the document names the routes: built again on its next request
+        models = user_config.get("models")  # the model repository's: loaded first, unloaded once routes changed
+        if models is not None:
+            await self.repository.load_wanted(models)
+        routes_changed = self.plane.models.install_routes(user_config.get("routes") or {})
+        if models is not None:
+            self.repository.unload_unwanted(models)
+        if routes_changed or models is not None:
+            self._app.openapi_schema = None  # the document names the models and routes: built again when asked
         if (until := user_config.get("drain_until")) is not None:
             await self.plane.drained(until)
 

@@ -106,6 +106,12 @@ class IngressMetrics:
             boundaries=LOGIT_DIFF_BUCKETS,
             tag_keys=SHADOW_LABELS,
         )
+        self.repository = Counter(
+            "mha_repository_requests_total",
+            description="Requests to the model repository API (index, load, unload) by HTTP status, refusals "
+            "included (401 without the token).",
+            tag_keys=("action", "code"),
+        )
         self._in_flight: dict[tuple[str, ...], int] = {}
         self._info: list[dict[str, str]] = []
         # Counts since the last `refresh`, added to the counters there: a Ray counter increment per request cost
@@ -121,6 +127,16 @@ class IngressMetrics:
         tags = {**model_labels(meta, backend), **extra, "tokenizer": meta.tokenizer, "task": meta.task}
         self._info.append(tags)
         self.info.set(1, tags=tags)
+
+    def model_gone(self, labels: dict[str, str]) -> None:
+        """A model no longer served here (unloaded, or loaded again): its info series goes to 0 and is not set again."""
+        for tags in [t for t in self._info if all(t[k] == v for k, v in labels.items())]:
+            self._info.remove(tags)
+            self.info.set(0, tags=tags)
+
+    def repository_request(self, action: str, code: int) -> None:
+        """One request to the model repository API (index, load, unload), by status: refusals included."""
+        self.repository.inc(1, tags={"action": action, "code": str(code)})
 
     def refresh(self) -> None:
         """Set every gauge again (see GAUGE_REFRESH_S): model info and the in-flight counts; add the requests

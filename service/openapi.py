@@ -16,9 +16,11 @@ from service.validation import Bounds, Schema
 REF = "#/components/schemas/{model}"
 ERRORS = {
     400: "The request breaks the API or the model's limits (max_len, vocabulary, rows); the error names what.",
+    401: "The model repository API's token is missing or wrong.",
     404: "No such model, version or route.",
     405: "The path exists with other methods (listed in Allow).",
     408: "The request body did not all arrive within limits.body_timeout_s.",
+    409: "The change conflicts with the configuration (a route targets the model, or it has its own deployment).",
     413: "The request body is over limits.max_body_bytes.",
     431: "The request line and headers are over limits.max_header_bytes, or there are more than limits.max_headers.",
     503: "Not ready (loading, broken, shutting down) or over capacity; Retry-After says when to retry, if soon.",

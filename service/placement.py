@@ -40,6 +40,12 @@ class ModelPlacement(Protocol):
 
     async def attention(self, ids: np.ndarray) -> AttentionResult: ...
 
+    def busy(self) -> bool:
+        """Whether this process has work of the model's in progress (a model unloaded is closed once it has none)."""
+
+    def close(self) -> None:
+        """Release what the model holds in this process, once it is no longer served."""
+
 
 class Colocated:
     """The model's engine lives in the ingress replica: parse, validate, batch and run in one process."""
@@ -64,6 +70,12 @@ class Colocated:
 
     async def attention(self, ids: np.ndarray) -> AttentionResult:
         return await self._engine.attention(ids)
+
+    def busy(self) -> bool:
+        return self._engine.busy()
+
+    def close(self) -> None:
+        self._engine.close()
 
 
 class Remote:
@@ -102,3 +114,9 @@ class Remote:
 
     async def attention(self, ids: np.ndarray) -> AttentionResult:
         return await answer_of(self.name, self._handle.attention.remote(ids))
+
+    def busy(self) -> bool:
+        return False  # its requests wait in its own replicas
+
+    def close(self) -> None:
+        """Nothing held here: its replicas go with a redeploy."""

@@ -49,6 +49,30 @@ class ServedModels:
         self.routes = RouteTable.build(routes, self.names)
         self._routes_installed = False  # set by the first `install_routes`: a later invalid one keeps these
 
+    def add(self, name: str, placement: ModelPlacement) -> ModelPlacement | None:
+        """Serve `placement` as `name` from now on (a model loaded, or loaded again); the one it replaces, if any."""
+        replaced = self._models.get(name)
+        self._models = dict(sorted({**self._models, name: placement}.items()))
+        self.names = list(self._models)
+        self._forget(name)
+        return replaced
+
+    def remove(self, name: str) -> ModelPlacement | None:
+        """Stop serving `name` (its requests in progress finish); the placement removed, or None when a route
+        targets it or it is not served (a route is changed first)."""
+        targeted = [plan.name for plan in self.routes.plans.values() if name in (*plan.targets, plan.shadow)]
+        if targeted:
+            logger.error("model %r not unloaded: routes %s target it", name, targeted)
+            return None
+        placement = self._models.pop(name, None)
+        self.names = list(self._models)
+        self._forget(name)
+        return placement
+
+    def _forget(self, name: str) -> None:
+        if self._ready.pop(name, None) is not None:
+            self._metrics.model_gone(self._labels.pop(name))
+
     def install_routes(self, routes: Mapping[str, Any]) -> bool:
         """Swap in a new routes table (requests in progress keep their target). Invalid routes raise on the first
         install (a starting replica fails, saying why); later, they are logged and the served table kept (False)."""

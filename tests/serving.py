@@ -181,11 +181,14 @@ def serve_command(args: list[str], log: Path, ready_s: float = 180) -> Iterator[
 
 
 @contextlib.contextmanager
-def serve_process(args: list[str], log: Path, ready_s: float = 180) -> Iterator[tuple[subprocess.Popen, str]]:
-    """`serve_command`, yielding the process too (to signal it)."""
+def serve_process(
+    args: list[str], log: Path, ready_s: float = 180, env: dict[str, str] | None = None
+) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`serve_command`, yielding the process too (to signal it); `env`: added to the environment."""
     cmd = [sys.executable, "-m", "service.cli", "serve", *args]
+    environment = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=environment)
     try:
         deadline = time.monotonic() + ready_s
         while "Ctrl-C to stop" not in log.read_text():

@@ -75,6 +75,11 @@ def test_two_serving_processes_answer_on_one_port(server):
     assert len(processes) == 2, processes
 
 
+def test_the_repository_api_is_off_unless_turned_on(server):
+    r = httpx.post(f"{server.base}/v2/repository/index", timeout=30)
+    assert r.status_code == 404, r.text
+
+
 def test_each_process_keeps_its_own_request_series(server):
     server.answers("mha-h2-d32", 40)
     deadline = time.monotonic() + 60  # Ray exports what a replica recorded every few seconds

@@ -20,9 +20,11 @@ from service import attention_api, openapi
 from service.dataplane import DataPlane
 from service.errors import ServiceError
 from service.http import inference, openapi_doc
+from service.http import repository as http_repository
 from service.http.inference import describe_errors
 from service.http.limits import RequestLimitsMiddleware
 from service.protocol import simple, v2
+from service.repository import Repository
 from service.responses import error_response, json_response
 from service.validation import Bounds
 
@@ -31,7 +33,7 @@ from service.validation import Bounds
 NO_TELEMETRY = {"tracing": False, "metrics": False, "logs": False}
 
 
-def create_app(plane: DataPlane) -> FastAPI:
+def create_app(plane: DataPlane, repository: Repository | None = None) -> FastAPI:
     description = "Multi-head attention classifiers on ONNX Runtime."
     # The document and its pages are routes of ours: the document states the served models' limits, known once
     # they load (an await), which FastAPI's own synchronous `openapi()` cannot wait for.
@@ -42,6 +44,8 @@ def create_app(plane: DataPlane) -> FastAPI:
     _inference_routes(app, plane)  # first: the router tries routes in order
     _v2_routes(app, plane)
     _v1_routes(app, plane)
+    if repository is not None and repository.enabled:
+        http_repository.add_routes(app, repository, plane.metrics)
     openapi_doc.add_routes(app, plane, lambda names, bounds: document(app, names, bounds))
     return app
 

@@ -5,6 +5,8 @@ line (LaunchError). Imports no Ray. No torch.
 from __future__ import annotations
 
 import argparse
+import hashlib
+import os
 from pathlib import Path
 
 import yaml
@@ -18,6 +20,8 @@ DESCRIPTION = (
 DEFAULT_PORT = 8000
 DEFAULT_GRPC_PORT = 8001  # Triton's gRPC port; KServe's is 8081
 DEFAULT_METRICS_PORT = 8080  # Ray's metrics export port: every replica's series on one /metrics URL
+TOKEN_ENV = "MHA_REPOSITORY_TOKEN"  # the repository API's token: an environment variable, never a flag (ps shows flags)
+MIN_TOKEN_CHARS = 16
 
 
 class LaunchError(RuntimeError):
@@ -58,7 +62,26 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="serving processes sharing --port and --grpc-port, each with its own co-located models (default: the "
         "config's ingress.processes, else one per two cores)",
     )
+    p.add_argument(
+        "--repository",
+        action="store_true",
+        help=f"serve the model repository API (/v2/repository/...: load, unload, index), its token read from "
+        f"${TOKEN_ENV} (at least {MIN_TOKEN_CHARS} characters); requests must carry it in the header named by "
+        "repository.header (default x-mha-repository-token)",
+    )
     return p.parse_args(argv)
+
+
+def repository_settings(raw: dict) -> dict:
+    """The config's `repository` turned on, with the token from the environment (only its digest is kept)."""
+    token = os.environ.get(TOKEN_ENV, "")
+    if len(token) < MIN_TOKEN_CHARS:
+        state = "is not set" if not token else f"has {len(token)} characters"
+        raise LaunchError(
+            f"--repository needs a token of at least {MIN_TOKEN_CHARS} characters in ${TOKEN_ENV}; it {state}"
+        )
+    digest = hashlib.sha256(token.encode()).hexdigest()
+    return {**(raw.get("repository") or {}), "enabled": True, "token_sha256": digest}
 
 
 def _positive(text: str) -> int:
@@ -84,6 +107,8 @@ def load_config(args: argparse.Namespace) -> AppConfig:
         raw["models_dir"] = args.models
     if args.backend is not None:
         raw["backend"] = args.backend
+    if args.repository:
+        raw["repository"] = repository_settings(raw)
     return validated(raw)
 
 

@@ -9,7 +9,6 @@ import socket
 import sys
 import threading
 import time
-from typing import Any
 
 from service.config import AppConfig
 
@@ -18,7 +17,7 @@ GCS_CHECK_S = 0.1  # while draining, how often to check that Ray's GCS is still 
 SHUTDOWN_WITHOUT_GCS_S = 2.0
 
 
-def drain(app_name: str, period_s: float, config: AppConfig, logging_config: dict[str, Any]) -> tuple[int, float]:
+def drain(app_name: str, period_s: float, config: AppConfig) -> tuple[int, float]:
     """Tell every serving process of the app to drain, then wait until none has an inference request in progress or
     `period_s` has passed; (0 when all drained in time, -1 when not or unknown; seconds waited). A second Ctrl-C or
     SIGTERM ends the wait. Bounded even when Ray's control processes are gone (a SIGTERM to every process of the
@@ -27,9 +26,7 @@ def drain(app_name: str, period_s: float, config: AppConfig, logging_config: dic
     start = time.monotonic()
     outcome: list[int] = []
     until = time.time() + period_s
-    worker = threading.Thread(
-        target=lambda: outcome.append(_drain_or_say_why(app_name, config, logging_config, until)), daemon=True
-    )
+    worker = threading.Thread(target=lambda: outcome.append(_drain_or_say_why(app_name, config, until)), daemon=True)
     worker.start()
     try:
         while worker.is_alive() and time.monotonic() - start < period_s + 2 * CALL_TIMEOUT_S:
@@ -65,19 +62,19 @@ def gcs_reachable(timeout_s: float = 0.5) -> bool:
         return False
 
 
-def _drain_or_say_why(app_name: str, config: AppConfig, logging_config: dict[str, Any], until: float) -> int:
+def _drain_or_say_why(app_name: str, config: AppConfig, until: float) -> int:
     """Redeploys of the ingress's user_config, each applied in place to every replica (about 1.5 s each, measured):
     with several replicas, a first turns each to draining at once (Serve reconfigures a few replicas at a time, so a
     reconfigure that waited would leave the others serving meanwhile), then one waits in each for its requests in
     progress, up to `until` everywhere; a single replica does both in one."""
-    from service.local import serve_deploy
+    from service import serve_control
 
     deadline = time.monotonic() + (until - time.time()) + CALL_TIMEOUT_S
     steps = (until,) if config.ingress.scaling().get("num_replicas") == 1 else (0.0, until)
     try:
         for wait_until in steps:
-            serve_deploy.deploy(app_name, config, logging_config, drain_until=wait_until)
-            if not serve_deploy.wait_running(app_name, poll_s=0.05, deadline=deadline):
+            serve_control.update_ingress(app_name, {"drain_until": wait_until})
+            if not serve_control.wait_running(app_name, poll_s=0.05, deadline=deadline):
                 return -1
         return 0
     except Exception as exc:  # the ingress is gone or does not answer: nothing left to drain there

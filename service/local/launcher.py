@@ -113,10 +113,18 @@ def start_local(config: AppConfig, opts: LocalServe) -> None:
 
         grpc = {"port": opts.grpc_port, "grpc_servicer_functions": SERVE_SERVICERS} if proxied_grpc else None
         serve.start(http_options={"host": opts.host, "port": opts.port}, grpc_options=grpc)
-    from service.local import serve_deploy  # imports Ray: after set_ray_env
+    from service import serve_control  # imports Ray: after set_ray_env
 
-    serve_deploy.deploy(APP_NAME, config, serve_logging(opts))
-    serve_deploy.wait_running(APP_NAME)
+    serve_control.deploy(APP_NAME, config, serve_logging(opts), colocated_models(config, names))
+    serve_control.wait_running(APP_NAME)
+
+
+def colocated_models(config: AppConfig, names: list[str]) -> dict[str, int]:
+    """The models every serving process loads itself (name -> generation, service/repository.py): 0, as at start."""
+    import ray
+
+    gpus = ray.cluster_resources().get("GPU", 0.0)
+    return {name: 0 for name in names if config.placement_for(name, gpus) == "colocated"}
 
 
 def serve_logging(opts: LocalServe) -> dict:
@@ -124,28 +132,40 @@ def serve_logging(opts: LocalServe) -> dict:
 
 
 def reload(args: argparse.Namespace, opts: LocalServe, running: AppConfig) -> AppConfig:
-    """SIGHUP: the config read again and its routes applied in place (Serve reconfigures the ingress; requests in
-    progress keep their target). A config that does not hold changes nothing; other changes need a restart."""
+    """SIGHUP: the config and the models folder read again, applied in place to every serving process: the routes,
+    and the co-located models found in the folder loaded (those gone unloaded; service/repository.py). Requests in
+    progress keep their target. A config that does not hold changes nothing; other changes need a restart."""
     try:
         new = local_config(load_config(args), opts)
-        checked(new)
+        names = checked(new)
     except (LaunchError, ModelFileError) as exc:
         print(f"mha-serving serve: reload refused, still serving the previous config: {exc}", file=sys.stderr)
         return running
     others = [k for k in AppConfig.model_fields if k != "routes" and getattr(new, k) != getattr(running, k)]
     if others:
         print(
-            f"mha-serving serve: only routes change on reload; restart to apply the changes to {', '.join(others)}",
+            f"mha-serving serve: only routes and models change on reload; restart to apply the changes to "
+            f"{', '.join(others)}",
             file=sys.stderr,
         )
-    if new.routes == running.routes:
-        print("mha-serving: reload: the routes are unchanged", file=sys.stderr, flush=True)
+    from service import serve_control
+
+    deployed = serve_control.deployed_ingress_config(APP_NAME)
+    loaded = deployed.get("models") or {}
+    wanted = {n: loaded.get(n, 0) for n in colocated_models(running, names)}
+    if new.routes == running.routes and wanted == loaded:
+        print("mha-serving: reload: the routes and models are unchanged", file=sys.stderr, flush=True)
         return running
     updated = running.model_copy(update={"routes": new.routes})
-    from service.local import serve_deploy
-
-    serve_deploy.deploy(APP_NAME, updated, serve_logging(opts))
-    print(f"mha-serving: reload: routes {describe_routes(updated)}", file=sys.stderr, flush=True)
+    routes = serve_control.ingress_user_config(updated)["routes"]
+    serve_control.update_ingress(APP_NAME, {"routes": routes, "models": wanted})
+    added, gone = sorted(set(wanted) - set(loaded)), sorted(set(loaded) - set(wanted))
+    print(
+        f"mha-serving: reload: routes {describe_routes(updated)}; models loaded {added or 'none'}, unloaded "
+        f"{gone or 'none'}",
+        file=sys.stderr,
+        flush=True,
+    )
     return updated
 
 
@@ -228,7 +248,7 @@ def serve(args: argparse.Namespace, opts: LocalServe, config: AppConfig) -> int:
     except KeyboardInterrupt:  # SIGTERM, maybe while still starting: the ingress may already be serving
         if ray_started():
             print(f"\nmha-serving: draining (up to {config.limits.drain_s:g} s)...", file=sys.stderr, flush=True)
-            left, waited = drain(APP_NAME, config.limits.drain_s, config, serve_logging(opts))
+            left, waited = drain(APP_NAME, config.limits.drain_s, config)
             unfinished = ", requests may have been unfinished" if left else ""
             print(f"mha-serving: drained in {waited:.1f} s{unfinished}; shutting down", file=sys.stderr, flush=True)
             if not stop_ray():  # Ray's GCS went down with the signal: Ray's own exit hook would wait on it again

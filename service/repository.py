@@ -1,0 +1,207 @@
+"""The model repository of a running service: which models of `models_dir` are loaded, and loading (or loading
+again) and unloading one in every serving process without a restart: the Open Inference Protocol's model repository
+extension, as Triton's explicit model control serves it (its clients' load_model, unload_model and
+get_model_repository_index work as they are). An administrative API: off unless the config enables it, and then
+refused without its token.
+
+One process takes the request; the change reaches every process as the ingress's user_config (`models`: name ->
+generation), applied in place by each one's reconfigure (`apply`), as route reloads are. Models placed in their own
+deployments are not loaded here: they come and go with a redeploy. No torch, no transport.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from service import serve_control
+from service.config import AppConfig
+from service.errors import ConflictError, ModelFileError, ModelNotFoundError, RepositoryError, UnauthorizedError
+from service.model_store import find_models
+from service.placement import ModelPlacement
+from service.served_models import ServedModels, shortened
+
+logger = logging.getLogger(__name__)
+READY, UNAVAILABLE = "READY", "UNAVAILABLE"  # Triton's states in a repository index
+APPLY_TIMEOUT_S = 120.0  # every process opens the model (ORT session, warm-up) before the change is answered
+POLL_S = 0.05
+
+
+@dataclass(frozen=True)
+class IndexEntry:
+    name: str
+    state: str  # READY or UNAVAILABLE
+    reason: str = ""
+
+
+class Repository:
+    """This process's share of the repository: the models it loaded (name -> generation; 0: loaded at start), the
+    changes it asks of every process, and `apply`, which makes this process serve what the user_config says."""
+
+    def __init__(
+        self,
+        config: AppConfig,
+        models: ServedModels,
+        open_model: Callable[[str], ModelPlacement],
+        app_name: str | None,
+    ) -> None:
+        self._config = config
+        self._settings = config.repository
+        self._models = models
+        self._open = open_model
+        self._app = app_name
+        self._generations = {p.name: 0 for p in models.placements() if p.placement == "colocated"}
+        self._failed: dict[str, str] = {}  # name -> why it could not be opened here
+        self._closing: set[asyncio.Task] = set()
+        self._changing = asyncio.Lock()  # one change at a time from this process
+        self._applied_models: dict[str, int] | None = None  # the `models` this process applied last
+
+    @property
+    def enabled(self) -> bool:
+        return self._settings.enabled
+
+    @property
+    def header(self) -> str:
+        return self._settings.header
+
+    def authorize(self, token: str | None) -> None:
+        """UnauthorizedError unless `token` is the configured one (compared in constant time, as digests)."""
+        given = hashlib.sha256((token or "").encode()).hexdigest()
+        expected = (self._settings.token_sha256 or "").lower()
+        if token is None or not hmac.compare_digest(given, expected):
+            raise UnauthorizedError(f"the model repository API needs its token in the {self.header!r} header")
+
+    # ---- the API ----
+    async def index(self, ready_only: bool = False) -> list[IndexEntry]:
+        """Every model folder, and every model served, with its state here."""
+        try:
+            folders = find_models(self._config.models_dir)
+        except ModelFileError:  # no folder left: what is served is still listed
+            folders = []
+        entries = []
+        for name in sorted({*folders, *self._models.names}):
+            if name in self._models:
+                status = await self._models.status(name, live=True)
+                entry = IndexEntry(name, READY if status.ready else UNAVAILABLE, status.reason)
+            else:
+                entry = IndexEntry(name, UNAVAILABLE, self._failed.get(name, "unloaded"))
+            if entry.state == READY or not ready_only:
+                entries.append(entry)
+        return entries
+
+    async def load(self, name: str) -> None:
+        """Load `name` from its folder in every serving process (again, if loaded: its files may have changed);
+        answered once every process serves it. RepositoryError (and nothing loaded) if it cannot be opened."""
+        self._check_folder(name)
+        if name in self._models and name not in self._generations:
+            raise ConflictError(
+                f"model {name!r} is placed in its own deployment: it is loaded with the application (redeploy it)"
+            )
+        if self._config.placement_for(name, _cluster_gpus()) == "deployment":
+            raise ConflictError(
+                f"model {name!r} would be placed in its own deployment (its placement setting): add it to the "
+                "config and redeploy"
+            )
+        async with self._changing:
+            wanted = {**await self._deployed_models(), name: time.time_ns()}
+            await self._everywhere(wanted)
+            status = await self._models.status(name, live=True) if name in self._models else None
+            if status is None or not status.ready:
+                why = status.reason if status is not None else self._failed.get(name, "not opened")
+                await self._everywhere({k: v for k, v in wanted.items() if k != name})
+                raise RepositoryError(f"model {name!r} failed to load: {why}")
+        logger.info("repository: model %r loaded in every serving process", name)
+
+    async def unload(self, name: str) -> None:
+        """Stop serving `name` in every serving process; its requests in progress finish. Unloading a model that is
+        not loaded does nothing."""
+        if name not in self._models:
+            self._check_folder(name)
+            return
+        if name not in self._generations:
+            raise ConflictError(f"model {name!r} is placed in its own deployment: it goes with a redeploy")
+        targeted = [p.name for p in self._models.routes.plans.values() if name in (*p.targets, p.shadow)]
+        if targeted:
+            raise ConflictError(f"model {name!r} is a target of routes {targeted}: change the routes first")
+        async with self._changing:
+            wanted = {k: v for k, v in (await self._deployed_models()).items() if k != name}
+            await self._everywhere(wanted)
+        logger.info("repository: model %r unloaded in every serving process", name)
+
+    def _check_folder(self, name: str) -> None:
+        try:
+            folders = find_models(self._config.models_dir)
+        except ModelFileError:
+            folders = []
+        if name not in folders:
+            raise ModelNotFoundError(f"no model {shortened(name)!r} in the repository; folders: {folders}")
+
+    async def _deployed_models(self) -> dict[str, int]:
+        """The models every process is to serve now: the user_config's, or before any change what each loaded at
+        start (they all load the same)."""
+        deployed = await asyncio.to_thread(serve_control.deployed_ingress_config, self._app)
+        return dict(deployed.get("models") or self._generations)
+
+    async def _everywhere(self, wanted: dict[str, int]) -> None:
+        """Have every serving process serve `wanted`, and wait until they do (this one's reconfigure ran, then
+        Serve marks the application running again once every process has)."""
+        await asyncio.to_thread(serve_control.update_ingress, self._app, {"models": wanted})
+        deadline = time.monotonic() + APPLY_TIMEOUT_S
+        while self._applied_models != wanted:  # polled: Serve may run reconfigure on another event loop
+            if time.monotonic() > deadline:
+                raise RepositoryError(f"the change was not applied within {APPLY_TIMEOUT_S:g} s")
+            await asyncio.sleep(POLL_S)
+        if not await asyncio.to_thread(serve_control.wait_running, self._app, 0.05, deadline):
+            raise RepositoryError(f"not every serving process applied the change within {APPLY_TIMEOUT_S:g} s")
+
+    # ---- every process: the user_config's `models` applied ----
+    async def load_wanted(self, wanted: dict[str, int]) -> None:
+        """Serve the co-located models `wanted` (name -> generation), first step: open the new ones (and those of a
+        new generation) off the event loop; one replaced is closed once idle. A model that cannot be opened is
+        logged and left out. `unload_unwanted` is the second step, once the routes are installed."""
+        for name, generation in wanted.items():
+            if self._generations.get(name) == generation and name in self._models:
+                continue
+            try:
+                placement = await asyncio.to_thread(self._open, name)
+            except Exception as exc:  # a backend that cannot be honoured here, say: this model only
+                self._failed[name] = f"{type(exc).__name__}: {exc}"
+                logger.error("repository: model %r not loaded: %s", name, self._failed[name])
+                continue
+            self._failed.pop(name, None)
+            if (old := self._models.add(name, placement)) is not None:
+                self._retire(old)
+            self._generations[name] = generation
+
+    def unload_unwanted(self, wanted: dict[str, int]) -> None:
+        """Stop serving the co-located models not in `wanted` (a model a route still targets stays; each removed is
+        closed once idle). Ends the change here: a request waiting on this process for it is answered."""
+        for name in [n for n in self._generations if n not in wanted]:
+            if (old := self._models.remove(name)) is not None:
+                self._retire(old)
+                del self._generations[name]
+        self._applied_models = dict(wanted)
+
+    def _retire(self, placement: ModelPlacement) -> None:
+        task = asyncio.get_running_loop().create_task(close_when_idle(placement, self._config.limits.drain_s))
+        self._closing.add(task)  # held until done: the loop keeps only weak references to tasks
+        task.add_done_callback(self._closing.discard)
+
+
+async def close_when_idle(placement: ModelPlacement, within_s: float) -> None:
+    """Close a placement no longer served once its requests in progress are done (or after `within_s`)."""
+    deadline = time.monotonic() + within_s
+    while placement.busy() and time.monotonic() < deadline:
+        await asyncio.sleep(POLL_S)
+    placement.close()
+
+
+def _cluster_gpus() -> float:
+    import ray
+
+    return ray.cluster_resources().get("GPU", 0.0) if ray.is_initialized() else 0.0
