@@ -96,6 +96,7 @@ class Ingress:
             self.repository.unload_unwanted(models)
         if routes_changed or models is not None:
             self._app.openapi_schema = None  # the document names the models and routes: built again when asked
+        self.repository.applied(user_config)
         if (until := user_config.get("drain_until")) is not None:
             await self.plane.drained(until)
 

@@ -18,12 +18,21 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from service import serve_control
-from service.config import AppConfig
-from service.errors import ConflictError, ModelFileError, ModelNotFoundError, RepositoryError, UnauthorizedError
+from service.config import AppConfig, Route
+from service.errors import (
+    BadRequestError,
+    ConflictError,
+    ModelFileError,
+    ModelNotFoundError,
+    RepositoryError,
+    UnauthorizedError,
+)
 from service.model_store import find_models
 from service.placement import ModelPlacement
+from service.routes import RouteConfigError, RouteTable
 from service.served_models import ServedModels, shortened
 
 logger = logging.getLogger(__name__)
@@ -59,7 +68,7 @@ class Repository:
         self._failed: dict[str, str] = {}  # name -> why it could not be opened here
         self._closing: set[asyncio.Task] = set()
         self._changing = asyncio.Lock()  # one change at a time from this process
-        self._applied_models: dict[str, int] | None = None  # the `models` this process applied last
+        self._applied: dict[str, Any] = {}  # the ingress's user_config this process applied last
 
     @property
     def enabled(self) -> bool:
@@ -109,11 +118,11 @@ class Repository:
             )
         async with self._changing:
             wanted = {**await self._deployed_models(), name: time.time_ns()}
-            await self._everywhere(wanted)
+            await self._everywhere({"models": wanted})
             status = await self._models.status(name, live=True) if name in self._models else None
             if status is None or not status.ready:
                 why = status.reason if status is not None else self._failed.get(name, "not opened")
-                await self._everywhere({k: v for k, v in wanted.items() if k != name})
+                await self._everywhere({"models": {k: v for k, v in wanted.items() if k != name}})
                 raise RepositoryError(f"model {name!r} failed to load: {why}")
         logger.info("repository: model %r loaded in every serving process", name)
 
@@ -130,8 +139,25 @@ class Repository:
             raise ConflictError(f"model {name!r} is a target of routes {targeted}: change the routes first")
         async with self._changing:
             wanted = {k: v for k, v in (await self._deployed_models()).items() if k != name}
-            await self._everywhere(wanted)
+            await self._everywhere({"models": wanted})
         logger.info("repository: model %r unloaded in every serving process", name)
+
+    async def set_route(self, name: str, route: Route | None) -> None:
+        """Set (or, None, remove) one route in every serving process, its other routes as deployed; answered once
+        every process has it. BadRequestError for a route its models cannot serve, 404 removing an unknown one."""
+        async with self._changing:
+            deployed = await asyncio.to_thread(serve_control.deployed_ingress_config, self._app)
+            routes = dict(deployed.get("routes", self._models.routes_config))
+            if route is not None:
+                routes[name] = route.model_dump()
+            elif routes.pop(name, None) is None:
+                raise ModelNotFoundError(f"no route {shortened(name)!r}; routes: {sorted(routes)}")
+            try:
+                RouteTable.build(routes, self._models.names)
+            except RouteConfigError as exc:
+                raise BadRequestError(str(exc)) from None
+            await self._everywhere({"routes": routes})
+        logger.info("repository: route %r %s in every serving process", name, "set" if route else "removed")
 
     def _check_folder(self, name: str) -> None:
         try:
@@ -147,13 +173,13 @@ class Repository:
         deployed = await asyncio.to_thread(serve_control.deployed_ingress_config, self._app)
         return dict(deployed.get("models") or self._generations)
 
-    async def _everywhere(self, wanted: dict[str, int]) -> None:
-        """Have every serving process serve `wanted`, and wait until they do (this one's reconfigure ran, then
-        Serve marks the application running again once every process has)."""
-        await asyncio.to_thread(serve_control.update_ingress, self._app, {"models": wanted})
+    async def _everywhere(self, changes: dict[str, Any]) -> None:
+        """Have every serving process apply `changes` to the ingress's user_config, and wait until they have (this
+        one's reconfigure ran, then Serve marks the application running again once every process has)."""
+        await asyncio.to_thread(serve_control.update_ingress, self._app, changes)
         deadline = time.monotonic() + APPLY_TIMEOUT_S
-        while self._applied_models != wanted:  # polled: Serve may run reconfigure on another event loop
-            if time.monotonic() > deadline:
+        while any(self._applied.get(key) != value for key, value in changes.items()):  # polled: Serve may run
+            if time.monotonic() > deadline:  # reconfigure on another event loop
                 raise RepositoryError(f"the change was not applied within {APPLY_TIMEOUT_S:g} s")
             await asyncio.sleep(POLL_S)
         if not await asyncio.to_thread(serve_control.wait_running, self._app, 0.05, deadline):
@@ -180,12 +206,15 @@ class Repository:
 
     def unload_unwanted(self, wanted: dict[str, int]) -> None:
         """Stop serving the co-located models not in `wanted` (a model a route still targets stays; each removed is
-        closed once idle). Ends the change here: a request waiting on this process for it is answered."""
+        closed once idle)."""
         for name in [n for n in self._generations if n not in wanted]:
             if (old := self._models.remove(name)) is not None:
                 self._retire(old)
                 del self._generations[name]
-        self._applied_models = dict(wanted)
+
+    def applied(self, user_config: dict[str, Any]) -> None:
+        """The end of this process's reconfigure: a change waiting on it is answered."""
+        self._applied = dict(user_config)
 
     def _retire(self, placement: ModelPlacement) -> None:
         task = asyncio.get_running_loop().create_task(close_when_idle(placement, self._config.limits.drain_s))

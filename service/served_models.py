@@ -25,6 +25,10 @@ def shortened(name: str, limit: int = 80) -> str:
     return name if len(name) <= limit else name[:limit] + "..."
 
 
+def _dumped(route: Any) -> dict[str, Any]:
+    return route.model_dump() if hasattr(route, "model_dump") else dict(route)
+
+
 def ready(name: str, status: ModelStatus) -> ModelStatus:
     """The status of a ready model; NotReadyError saying why otherwise."""
     if not status.ready:
@@ -47,6 +51,7 @@ class ServedModels:
         self._ready: dict[str, ModelStatus] = {}  # name -> status of a loaded model
         self._labels: dict[str, dict[str, str]] = {}  # name -> its metric labels, once loaded
         self.routes = RouteTable.build(routes, self.names)
+        self.routes_config = {name: _dumped(route) for name, route in routes.items()}  # as a user_config holds them
         self._routes_installed = False  # set by the first `install_routes`: a later invalid one keeps these
 
     def add(self, name: str, placement: ModelPlacement) -> ModelPlacement | None:
@@ -84,6 +89,7 @@ class ServedModels:
             logger.error("routes not changed: invalid config: %s", exc)
             return False
         self.routes, self._routes_installed = table, True
+        self.routes_config = {name: _dumped(route) for name, route in routes.items()}
         return True
 
     @property

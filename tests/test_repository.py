@@ -177,3 +177,23 @@ def test_the_repository_needs_a_token_to_be_turned_on(tiny_models_dir, monkeypat
     assert "has 5 characters" in capsys.readouterr().err
     with pytest.raises(ValueError, match=r"needs repository\.token_sha256"):
         RepositorySettings(enabled=True)
+
+
+def test_a_route_set_and_removed_through_the_api_reaches_every_process(server):
+    put = lambda body: httpx.put(f"{server.base}/v2/repository/routes/trial", json=body, headers=AUTH, timeout=60)  # noqa: E731
+    r = put({"targets": {"mha-h2-d32": 1, "mha-h4-d32": 0}})
+    assert r.status_code == 200, r.text
+    for _ in range(10):  # a connection each: both processes
+        answer = httpx.post(f"{server.base}/v1/models/trial/predict", json={"text": "ab"}, timeout=30)
+        assert answer.status_code == 200 and answer.json()["model"] == "mha-h2-d32", answer.text
+    r = put({"targets": {"mha-h9-d32": 1}})
+    assert r.status_code == 400 and "unknown model 'mha-h9-d32'" in r.json()["error"], r.text
+    r = put({"targets": {"mha-h2-d32": -1}})
+    assert r.status_code == 400 and "must not be negative" in r.json()["error"], r.text
+    assert httpx.delete(f"{server.base}/v2/repository/routes/trial", headers=AUTH, timeout=60).status_code == 200
+    r = httpx.delete(f"{server.base}/v2/repository/routes/trial", headers=AUTH, timeout=60)
+    assert r.status_code == 404, r.text
+    for _ in range(6):
+        assert httpx.post(f"{server.base}/v1/models/trial/predict", json={"text": "ab"}, timeout=30).status_code == 404
+    assert server.post("/v2/repository/models/mha-h4-d32/unload").status_code == 200  # no route targets it now
+    assert server.post("/v2/repository/models/mha-h4-d32/load").status_code == 200

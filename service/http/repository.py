@@ -1,6 +1,7 @@
 """The model repository API over HTTP (the Open Inference Protocol's model repository extension, Triton's paths and
-bodies): index, load, unload. Mounted only when the config enables it (404 otherwise, as for any unknown path); each
-request needs the token header first (401), and is counted by status. No torch.
+bodies): index, load, unload; and routes set or removed in place (ours: what a rollout steps through). Mounted only
+when the config enables it (404 otherwise, as for any unknown path); each request needs the token header first
+(401), and is counted by status. No torch.
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ from typing import Any
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from service import openapi
+from service.config import Route
 from service.errors import BadRequestError, ServiceError
+from service.http.inference import describe_errors
 from service.inference import MODEL_VERSION
 from service.metrics import IngressMetrics
 from service.repository import Repository
@@ -81,6 +84,28 @@ def add_routes(app: FastAPI, repository: Repository, metrics: IngressMetrics) ->
         async with _counted(repository, metrics, "unload", name, request):
             await _body(request)
             await repository.unload(name)
+            return json_response({})
+
+    @app.put(
+        "/v2/repository/routes/{name}",
+        openapi_extra=openapi.request_body(Route),
+        responses=openapi.responses(RepositoryChanged, 400, 401, *openapi.WITH_BODY),
+    )
+    async def set_route(name: str, request: Request) -> Response:
+        """Set one route (targets by weight, a shadow) in every serving process; answered once all have it."""
+        async with _counted(repository, metrics, "route", name, request):
+            try:
+                route = Route.model_validate(await _body(request))
+            except ValidationError as exc:
+                raise BadRequestError(f"invalid route: {describe_errors(exc.errors())}") from None
+            await repository.set_route(name, route)
+            return json_response({})
+
+    @app.delete("/v2/repository/routes/{name}", responses=openapi.responses(RepositoryChanged, 401, 404))
+    async def remove_route(name: str, request: Request) -> Response:
+        """Remove one route in every serving process."""
+        async with _counted(repository, metrics, "route", name, request):
+            await repository.set_route(name, None)
             return json_response({})
 
 
