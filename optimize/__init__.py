@@ -1,0 +1,1 @@
+"""`mha-serving optimize`: from a trained model to the cheapest head configuration that meets an SLO."""
