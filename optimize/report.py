@@ -1,0 +1,279 @@
+"""The answer of `mha-serving optimize`: the cheapest configuration that meets the SLO (named with why), the Pareto
+frontiers (accuracy against p99 and against throughput) as PNGs, report.md and report.json stamped with the machine
+they were measured on and the commands that reproduce them, the winner's model folder and a ready serve config.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import shutil
+import subprocess
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+@dataclass(frozen=True)
+class Slo:
+    p99_ms: float | None = None  # at `rate` (or at the highest rate that keeps it, without one)
+    rate: float | None = None  # requests/s
+
+    def describe(self) -> str:
+        parts = [
+            f"p99 <= {self.p99_ms:g} ms" if self.p99_ms is not None else "",
+            f"at {self.rate:g} req/s" if self.rate else "",
+        ]
+        return " ".join(p for p in parts if p) or "none"
+
+
+@dataclass(frozen=True)
+class Point:
+    """One candidate served with one setting, as measured: what it costs, how fast, how accurate."""
+
+    candidate: str  # the model's name (its folder)
+    precision: str
+    heads_fraction: float
+    settings: dict[str, Any]  # serving settings: processes, intra_op_threads, max_batch_size, batch_wait_ms
+    cores: float  # processes x ORT threads (CPU), or the GPU share
+    accuracy_drop: float | None  # points, against the fp32 source (None: agreement only)
+    drop_ci: tuple[float, float] | None
+    agreement: float | None
+    p99_ms: float | None  # at the SLO's rate
+    max_rate: float | None  # the highest rate measured whose p99 stays within the SLO
+    saturation_rps: float | None
+    failure: str = ""  # why it was not measured (the server did not start, say)
+
+    @property
+    def label(self) -> str:
+        knobs = ",".join(f"{k}={v}" for k, v in sorted(self.settings.items()))
+        return f"{self.candidate} [{knobs}]"
+
+    def meets(self, slo: Slo) -> bool:
+        if self.failure:
+            return False
+        if slo.rate is not None:
+            return self.p99_ms is not None and (slo.p99_ms is None or self.p99_ms <= slo.p99_ms)
+        return self.max_rate is not None and self.max_rate > 0
+
+
+@dataclass(frozen=True)
+class Answer:
+    winner: Point | None
+    why: str
+    closest: Point | None = None  # when nothing meets the SLO: the nearest miss
+    frontier: list[Point] = field(default_factory=list)
+
+
+def choose(points: Sequence[Point], slo: Slo) -> Answer:
+    """The cheapest point meeting the SLO: fewest cores, then the lowest p99, then the smallest accuracy drop; with
+    a p99 bar and no rate, the most requests/s per core. Without one: the closest miss, and why."""
+    meeting = [p for p in points if p.meets(slo)]
+    frontier = pareto(points, lambda p: p.p99_ms)
+    if meeting:
+        if slo.rate is not None:
+            best = min(meeting, key=lambda p: (p.cores, p.p99_ms, p.accuracy_drop or 0.0))
+            why = (
+                f"the fewest cores ({best.cores:g}) that keep {slo.describe()}: p99 {best.p99_ms:.1f} ms, accuracy "
+                f"drop {_drop(best)}; {len(meeting)} of {len(points)} measured configurations meet it"
+            )
+        else:
+            best = max(meeting, key=lambda p: (p.max_rate / p.cores, -(p.accuracy_drop or 0.0)))
+            why = (
+                f"the most requests/s per core within p99 <= {slo.p99_ms:g} ms: {best.max_rate:.0f} req/s on "
+                f"{best.cores:g} cores, accuracy drop {_drop(best)}"
+            )
+        return Answer(best, why, frontier=frontier)
+    measured = [p for p in points if not p.failure and p.p99_ms is not None]
+    if not measured:
+        return Answer(None, "no configuration could be measured", frontier=frontier)
+    closest = min(measured, key=lambda p: (p.p99_ms, p.cores))
+    why = f"no configuration meets {slo.describe()}; the closest: p99 {closest.p99_ms:.1f} ms with {closest.label}"
+    return Answer(None, why, closest, frontier)
+
+
+def pareto(points: Sequence[Point], cost) -> list[Point]:
+    """The points no other beats on both accuracy drop and `cost` (lower is better for both)."""
+    scored = [(p, cost(p), p.accuracy_drop if p.accuracy_drop is not None else 0.0) for p in points if not p.failure]
+    scored = [(p, c, d) for p, c, d in scored if c is not None and not math.isnan(c)]
+    front = [p for p, c, d in scored if not any((c2 <= c and d2 <= d) and (c2 < c or d2 < d) for _, c2, d2 in scored)]
+    return sorted(front, key=cost)
+
+
+def machine() -> dict[str, Any]:
+    """Where the figures were measured: CPU model and flags that matter to ORT, cores, GPU, ORT and Python."""
+    import onnxruntime as ort
+
+    info: dict[str, Any] = {"cpu": platform.processor() or platform.machine(), "cores": len(os.sched_getaffinity(0))}
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+        model = next(
+            (line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")), ""
+        )
+        flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+        info["cpu"] = model or info["cpu"]
+        info["cpu_flags"] = sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "f16c")) or "vnni" in f)
+    except OSError:
+        pass
+    info["gpu"] = _gpu_name()
+    info["onnxruntime"] = ort.__version__
+    info["providers"] = ort.get_available_providers()
+    info["python"] = platform.python_version()
+    return info
+
+
+def _gpu_name() -> str:
+    if shutil.which("nvidia-smi") is None:
+        return "none"
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return out.stdout.strip().replace("\n", ", ") or "none"
+
+
+def serve_config(point: Point, models_dir: str) -> dict[str, Any]:
+    """A `mha-serving serve --config` file serving the winner with its measured settings."""
+    settings = dict(point.settings)
+    deployment: dict[str, Any] = {}
+    if "intra_op_threads" in settings:
+        deployment["intra_op_threads"] = settings["intra_op_threads"]
+    if "max_batch_size" in settings:
+        deployment["max_batch_size"] = settings["max_batch_size"]
+    if "batch_wait_ms" in settings:
+        deployment["batch_wait_timeout_s"] = settings["batch_wait_ms"] / 1000.0
+    config: dict[str, Any] = {"models_dir": models_dir, "models": [point.candidate]}
+    if deployment:
+        config["deployment"] = deployment
+    if "processes" in settings:
+        config["ingress"] = {"processes": settings["processes"]}
+    return config
+
+
+def write(
+    out: Path, answer: Answer, points: Sequence[Point], slo: Slo, commands: list[str], candidates_dir: Path
+) -> Path:
+    """report.md, report.json and the frontier PNGs in `out`; with a winner, its model folder under out/winner/
+    and out/serve.yaml. Returns report.md's path."""
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = machine()
+    winner = answer.winner
+    if winner is not None:
+        target = out / "winner" / winner.candidate
+        if target.exists():
+            shutil.rmtree(target)
+        shutil.copytree(candidates_dir / winner.candidate, target)
+        (out / "serve.yaml").write_text(yaml.safe_dump(serve_config(winner, str(target.parent)), sort_keys=False))
+    plots = _plots(out, points, answer)
+    report = {
+        "slo": asdict(slo),
+        "winner": asdict(winner) if winner else None,
+        "why": answer.why,
+        "closest": asdict(answer.closest) if answer.closest else None,
+        "frontier": [p.label for p in answer.frontier],
+        "points": [asdict(p) for p in points],
+        "machine": stamp,
+        "commands": commands,
+        "plots": plots,
+    }
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    path = out / "report.md"
+    path.write_text(_markdown(answer, points, slo, stamp, commands, plots))
+    return path
+
+
+def _drop(p: Point) -> str:
+    if p.accuracy_drop is None:
+        return f"n/a (agreement {p.agreement:.4f})" if p.agreement is not None else "n/a"
+    ci = f" (95 % CI {p.drop_ci[0]:+.2f}..{p.drop_ci[1]:+.2f})" if p.drop_ci else ""
+    return f"{p.accuracy_drop:+.2f} points{ci}"
+
+
+def _markdown(
+    answer: Answer, points: Sequence[Point], slo: Slo, stamp: dict, commands: list[str], plots: list[str]
+) -> str:
+    lines = ["# mha-serving optimize", "", f"SLO: {slo.describe()}", ""]
+    if answer.winner is not None:
+        lines += [f"**Winner: {answer.winner.label}**: {answer.why}.", ""]
+        lines += ["Serve it: `mha-serving serve --config serve.yaml` (the model folder is under `winner/`).", ""]
+    else:
+        lines += [f"**No winner**: {answer.why}.", ""]
+    lines += ["| configuration | cores | accuracy drop | agreement | p99 at rate (ms) | max rate in SLO | saturation |"]
+    lines += ["| --- | ---: | --- | ---: | ---: | ---: | ---: |"]
+    on_front = {p.label for p in answer.frontier}
+    for p in sorted(points, key=lambda p: (p.cores, p.candidate)):
+        if p.failure:
+            lines.append(f"| {p.label} | {p.cores:g} | {_drop(p)} | | failed: {p.failure} | | |")
+            continue
+        mark = " (frontier)" if p.label in on_front else ""
+        agree = f"{p.agreement:.4f}" if p.agreement is not None else "n/a"
+        lines.append(
+            f"| {p.label}{mark} | {p.cores:g} | {_drop(p)} | {agree} | {_num(p.p99_ms, 1)} | {_num(p.max_rate, 0)} | "
+            f"{_num(p.saturation_rps, 0)} |"
+        )
+    lines += ["", *[f"![{Path(p).stem}]({p})" for p in plots], ""]
+    lines += ["## Machine", "", "```json", json.dumps(stamp, indent=2), "```", ""]
+    lines += ["## Reproduce", "", "```bash", *commands, "```", ""]
+    return "\n".join(lines)
+
+
+def _num(value: float | None, digits: int) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def _plots(out: Path, points: Sequence[Point], answer: Answer) -> list[str]:
+    """accuracy drop against p99 and against saturation throughput, the frontier joined; [] without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    measured = [p for p in points if not p.failure]
+    written = []
+    for name, x_of, cost, x_label in (
+        ("frontier_p99.png", lambda p: p.p99_ms, lambda p: p.p99_ms, "p99 at the SLO's rate (ms)"),
+        (
+            "frontier_throughput.png",
+            lambda p: p.saturation_rps,
+            lambda p: -p.saturation_rps if p.saturation_rps is not None else None,
+            "saturation throughput (req/s)",
+        ),
+    ):
+        shown = [p for p in measured if x_of(p) is not None]
+        if not shown:
+            continue
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for precision in sorted({p.precision for p in shown}):
+            mine = [p for p in shown if p.precision == precision]
+            ax.scatter([x_of(p) for p in mine], [p.accuracy_drop or 0.0 for p in mine], label=precision)
+        front = sorted(pareto(shown, cost), key=x_of)
+        ax.plot([x_of(p) for p in front], [p.accuracy_drop or 0.0 for p in front], "k--", lw=1, label="frontier")
+        if answer.winner is not None and x_of(answer.winner) is not None:
+            ax.scatter(
+                [x_of(answer.winner)],
+                [answer.winner.accuracy_drop or 0.0],
+                marker="*",
+                s=250,
+                c="gold",
+                edgecolors="k",
+                label="winner",
+                zorder=3,
+            )
+        ax.set_xlabel(x_label)
+        ax.set_ylabel("accuracy drop (points)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        written.append(name)
+    return written
