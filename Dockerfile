@@ -27,6 +27,7 @@ COPY contract/ contract/
 COPY export/ export/
 COPY service/ service/
 COPY loadtest/ loadtest/
+COPY optimize/ optimize/
 # d_model 512, h in {1, 2, 4, 8, 16}: mha-h1-d512 ... mha-h16-d512, each written only after the parity gate
 # hadolint ignore=DL3013
 RUN pip wheel --no-deps --wheel-dir /wheels . \
