@@ -23,6 +23,18 @@ class PruneError(ValueError):
 
 
 @dataclass(frozen=True)
+class PruneSettings:
+    """How heads are pruned and the result fine-tuned (`mha-serving prune`'s flags, the candidates' settings)."""
+
+    order: str = "importance"
+    seed: int = 0  # random order's, and fine-tuning's batch order
+    step: int = 1  # heads removed between re-scorings
+    finetune_steps: int = 0
+    finetune_lr: float = 3e-4
+    attention: bool = True  # also export model.attn.onnx (when every layer keeps the same count)
+
+
+@dataclass(frozen=True)
 class Pruned:
     """A model with `removed` heads fewer; `kept[i]` are the original indices of layer i's remaining heads."""
 

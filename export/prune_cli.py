@@ -17,7 +17,7 @@ from export.convert import ExportError, ExportResult, export_model, exporter_ver
 from export.importance import heads_per_layer, run_splits
 from export.model import AttentionOutputs
 from export.parity import ParityError
-from export.prune import ORDERS, Pruned, PruneError, finetune, heads_to_remove, iterative_prune
+from export.prune import ORDERS, Pruned, PruneError, PruneSettings, finetune, heads_to_remove, iterative_prune
 from export.train import Split, evaluate
 
 PRUNING_FILE = "pruning.json"
@@ -65,44 +65,50 @@ def export_pruned(pruned: Pruned, checkpoint: Checkpoint, out: Path, record: dic
     return export_model(model, meta, out, attention_variant=variant, extras=extras)
 
 
-def _record(args, checkpoint: Checkpoint, pruned: Pruned, fraction: float, before: tuple, after: tuple) -> dict:
+def pruning_record(how: PruneSettings, checkpoint: Checkpoint, pruned: Pruned, fraction: float, before, after) -> dict:
+    """pruning.json: which heads went and how, and the validation (loss, accuracy) before and after fine-tuning."""
     return {
         "pruned_from": checkpoint.model.config.name,
         "drop": fraction,
         "removed": pruned.removed,
-        "order": args.order,
-        "seed": args.seed,
-        "step": args.step,
+        "order": how.order,
+        "seed": how.seed,
+        "step": how.step,
         "layer_heads": heads_per_layer(pruned.model),
         "kept": [list(k) for k in pruned.kept],
         "removed_in_order": [list(pair) for pair in pruned.order],
         "val_loss": before[0],
         "val_acc": before[1],
-        "finetune_steps": args.finetune_steps,
-        "finetune_lr": args.finetune_lr,
+        "finetune_steps": how.finetune_steps,
+        "finetune_lr": how.finetune_lr,
         "val_loss_finetuned": after[0],
         "val_acc_finetuned": after[1],
     }
 
 
-def _prune_all(args: argparse.Namespace, checkpoint: Checkpoint, train: Split, val: Split) -> list[str]:
-    counts = heads_to_remove(args.drop, heads_per_layer(checkpoint.model))  # every fraction checked first
-    found = iterative_prune(checkpoint.model, val, list(counts.values()), args.order, args.seed, args.step)
-    lines = []
+def finish_pruned(
+    how: PruneSettings, checkpoint: Checkpoint, pruned: Pruned, fraction: float, splits: tuple[Split, Split], out: Path
+) -> tuple[ExportResult, dict]:
+    """Fine-tune `pruned` (in place, as `how` says) and export it with its record; (export, record)."""
+    train, val = splits
+    before = evaluate(pruned.model, val)
+    after = evaluate(finetune(pruned.model, train, how.finetune_steps, how.finetune_lr, seed=how.seed), val)
+    record = pruning_record(how, checkpoint, pruned, fraction, before, after)
+    return export_pruned(pruned, checkpoint, out, record, attention=how.attention), record
+
+
+def _prune_all(how: PruneSettings, drop: list[float], checkpoint: Checkpoint, splits: tuple[Split, Split], out: Path):
+    counts = heads_to_remove(drop, heads_per_layer(checkpoint.model))  # every fraction checked first
+    found = iterative_prune(checkpoint.model, splits[1], list(counts.values()), how.order, how.seed, how.step)
     for fraction, n in counts.items():
-        pruned = found[n]
-        before = evaluate(pruned.model, val)
-        after = evaluate(finetune(pruned.model, train, args.finetune_steps, args.finetune_lr, seed=args.seed), val)
-        record = _record(args, checkpoint, pruned, fraction, before, after)
-        exported = export_pruned(pruned, checkpoint, args.out, record, attention=not args.no_attention)
-        tuned = f", {after[1]:.4f} after {args.finetune_steps} fine-tuning steps" if args.finetune_steps else ""
-        lines.append(
+        exported, record = finish_pruned(how, checkpoint, found[n], fraction, splits, out)
+        tuned = f", {record['val_acc_finetuned']:.4f} after {how.finetune_steps} fine-tuning steps"
+        print(
             f"exported {exported.name} to {exported.folder}: {n} head(s) removed, heads per layer "
-            f"{','.join(map(str, heads_per_layer(pruned.model)))}, val acc {before[1]:.4f}{tuned} "
-            f"(parity max diff {exported.max_diff:.2g})"
+            f"{','.join(map(str, record['layer_heads']))}, val acc {record['val_acc']:.4f}"
+            f"{tuned if how.finetune_steps else ''} (parity max diff {exported.max_diff:.2g})",
+            flush=True,
         )
-        print(lines[-1], flush=True)
-    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,10 +117,12 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(max(1, args.threads))
         checkpoint = load_checkpoint(args.model)
         heads_to_remove(args.drop, heads_per_layer(checkpoint.model))  # before generating any data
-        train, val = run_splits(checkpoint)
-        base = evaluate(checkpoint.model, val)[1]
+        splits = run_splits(checkpoint)
+        base = evaluate(checkpoint.model, splits[1])[1]
         print(f"pruning {checkpoint.model.config.name} (val acc {base:.4f}) in {args.order} order", flush=True)
-        _prune_all(args, checkpoint, train, val)
+        attention = not args.no_attention
+        how = PruneSettings(args.order, args.seed, args.step, args.finetune_steps, args.finetune_lr, attention)
+        _prune_all(how, args.drop, checkpoint, splits, args.out)
     except (CheckpointError, PruneError, ValueError, ExportError, ParityError, FloatingPointError, OSError) as exc:
         print(f"mha-serving prune: {exc}", file=sys.stderr)
         return 2

@@ -34,14 +34,17 @@ class TimingError(RuntimeError):
     """A model could not be timed: the service is unreachable or answered with an error."""
 
 
-def in_process_caller(folder: Path, texts: list[str], max_len: int, threads: int) -> Caller:
-    """Calls of the folder's model.onnx with ONNX Runtime on CPU (`threads` intra-op threads)."""
+def in_process_caller(
+    folder: Path, texts: list[str], max_len: int, threads: int, providers: list[str] | None = None
+) -> Caller:
+    """Calls of the folder's model.onnx with ONNX Runtime (`threads` intra-op threads; CPU unless `providers`)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
-    session = ort.InferenceSession(str(Path(folder) / MODEL_FILE), options, providers=["CPUExecutionProvider"])
+    providers = providers or ["CPUExecutionProvider"]
+    session = ort.InferenceSession(str(Path(folder) / MODEL_FILE), options, providers=providers)
     tokenizer = ByteTokenizer(max_len)
     feeds = {}
     for batch in BATCHES:
@@ -74,21 +77,31 @@ def calls_per_round(batch: int, repeats: int) -> int:
     return max(1, total // ROUNDS)
 
 
-def time_models(callers: dict[Key, Caller], repeats: int) -> dict[Key, tuple[float, ...]]:
-    """Key (h, ...) -> p50 milliseconds per call at each batch size of BATCHES, in the callers' order per round."""
+def timed_rounds(callers: dict[Key, Caller], repeats: int) -> dict[tuple[Key, int], list[list[float]]]:
+    """(key, batch) -> seconds per call, one list per round; every model timed once per round, in the callers'
+    order, after WARMUP untimed calls."""
     for call in callers.values():
         for batch in BATCHES:
             for _ in range(WARMUP):
                 call(batch)
-    samples: dict[tuple[Key, int], list[float]] = {(h, b): [] for h in callers for b in BATCHES}
+    samples: dict[tuple[Key, int], list[list[float]]] = {(h, b): [] for h in callers for b in BATCHES}
     for _ in range(ROUNDS):
         for h, call in callers.items():
             for batch in BATCHES:
+                calls = []
                 for _ in range(calls_per_round(batch, repeats)):
                     start = time.perf_counter()
                     call(batch)
-                    samples[h, batch].append(time.perf_counter() - start)
-    return {h: tuple(statistics.median(samples[h, b]) * 1e3 for b in BATCHES) for h in callers}
+                    calls.append(time.perf_counter() - start)
+                samples[h, batch].append(calls)
+    return samples
+
+
+def time_models(callers: dict[Key, Caller], repeats: int) -> dict[Key, tuple[float, ...]]:
+    """Key (h, ...) -> p50 milliseconds per call at each batch size of BATCHES, in the callers' order per round."""
+    samples = timed_rounds(callers, repeats)
+    every = {key: [t for calls in rounds for t in calls] for key, rounds in samples.items()}
+    return {h: tuple(statistics.median(every[h, b]) * 1e3 for b in BATCHES) for h in callers}
 
 
 @dataclass(frozen=True)
