@@ -130,9 +130,10 @@ def _timed_texts(meta) -> list[str] | None:
 
 def _time(made: list[Made], meta, settings: CandidateSettings, progress: Progress):
     """name -> {"batch_1": Timing, "batch_32": Timing}, every written candidate in the same interleaved rounds
-    (export/sweep_timing.py), fp16 on the GPU; and name -> why one was not timed."""
+    (export/sweep_timing.py), on the GPU for backend gpu where there is one (fp16 never on the CPU: it would time
+    ORT's inserted casts); and name -> why one was not timed."""
     texts = _timed_texts(meta)
-    gpu, why_no_gpu = gpu_providers()
+    gpu, why_no_gpu = gpu_providers() if settings.backend == "gpu" else (None, "backend cpu")
     callers, not_timed = {}, {}
     for m in made:
         if m.folder is None:
@@ -142,11 +143,11 @@ def _time(made: list[Made], meta, settings: CandidateSettings, progress: Progres
         elif m.precision == "fp16" and gpu is None:
             not_timed[m.name] = f"not timed: fp16 is timed on a GPU ({why_no_gpu})"
         else:
-            providers = gpu if m.precision == "fp16" else None
-            callers[m.name] = in_process_caller(m.folder, texts, meta.max_len, settings.threads, providers)
+            callers[m.name] = in_process_caller(m.folder, texts, meta.max_len, settings.threads, gpu)
     if not callers:
         return {}, not_timed
-    progress(f"timing {len(callers)} candidates at batch {' and '.join(map(str, BATCHES))}, interleaved rounds")
+    where = "the GPU" if gpu else f"the CPU, {settings.threads} thread(s)"
+    progress(f"timing {len(callers)} candidates on {where} at batch {' and '.join(map(str, BATCHES))}, interleaved")
     rounds = timed_rounds(callers, settings.timing_repeats)
     return {name: {f"batch_{b}": _timing(rounds[name, b]) for b in BATCHES} for name in callers}, not_timed
 

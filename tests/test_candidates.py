@@ -267,3 +267,17 @@ def test_the_commands_bad_input_is_one_line_with_exit_status_2(untrained, tmp_pa
     assert candidates_main(["--model", str(untrained), "--out", str(tmp_path), *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and words in err and not (tmp_path / "candidates").exists()
+
+
+@pytest.mark.slow
+def test_the_gpu_backend_makes_fp16_candidates_and_never_times_fp16_on_the_cpu(untrained, tmp_path):
+    from export.quantize import gpu_providers
+
+    result = make_candidates(untrained, tmp_path, CandidateSettings(backend="gpu", **FAST))
+    source, fp16 = result.candidates
+    assert (fp16.name, fp16.precision) == (f"{untrained.name}-fp16", "fp16") and fp16.agreement is not None
+    assert set(source.timing_ms) == {"batch_1", "batch_32"}
+    if gpu_providers()[0] is None:
+        assert fp16.timing_ms == {} and "not timed: fp16 is timed on a GPU" in fp16.why
+    else:
+        assert set(fp16.timing_ms) == {"batch_1", "batch_32"}
