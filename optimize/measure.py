@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from optimize.load import Driver, LoadError, find_model
-from optimize.measurement import Measurement, Window
+from optimize.measurement import Measurement, Window, holds_rate
 from optimize.report import Slo
 from optimize.server import ServeError, Server, ServerStartError
 from optimize.settings import ServingSettings
@@ -111,7 +111,7 @@ def _phases(driver: Driver, slo: Slo, plan: MeasurePlan, progress: Progress) -> 
     progress(f"saturation {_describe(saturation)}")
     found["saturation"] = saturation
     if slo.p99_ms is not None and plan.rate_steps > 0:
-        met = None if slo.rate is None else all(w.within(slo.p99_ms) for w in found["at_rate"])
+        met = None if slo.rate is None else holds_rate(found["at_rate"], found["p99_ms"], slo.p99_ms)
         probes, highest = _highest_rate(driver, slo, plan, saturation, met, progress)
         found["rate_probes"], found["max_rate"] = tuple(probes), highest
     return found

@@ -39,6 +39,12 @@ class Window:
         return self.sustained and (p99_ms is None or (self.p99_ms is not None and self.p99_ms <= p99_ms))
 
 
+def holds_rate(windows: tuple[Window, ...], p99_ms: float | None, bar_ms: float | None) -> bool:
+    """At the SLO's rate: every window kept up, and their p99 is within the bar (without one, keeping up is all)."""
+    kept_up = bool(windows) and all(w.sustained for w in windows)
+    return kept_up and p99_ms is not None and (bar_ms is None or p99_ms <= bar_ms)
+
+
 def slo_key(slo: Slo) -> str:
     return f"p99={slo.p99_ms if slo.p99_ms is not None else '-'}:rate={slo.rate if slo.rate is not None else '-'}"
 
@@ -84,8 +90,7 @@ class Measurement:
         if self.failure:
             return False
         if self.slo.rate is not None:
-            bar = self.slo.p99_ms
-            return self.sustained and self.p99_ms is not None and (bar is None or self.p99_ms <= bar)
+            return holds_rate(self.at_rate, self.p99_ms, self.slo.p99_ms)
         return self.max_rate is not None
 
     def point(self, candidate: dict[str, Any] | None = None) -> Point:
