@@ -117,7 +117,7 @@ class Server:
         self.workdir.mkdir(parents=True, exist_ok=True)
         config = self.workdir / "serve.yaml"
         config.write_text(yaml.safe_dump(self.settings.serve_config(self.folder, self.backend), sort_keys=False))
-        self.port = free_port()
+        self.port, self.stopped = free_port(), None
         command = [serve_command(), "serve", "--config", str(config), "--port", str(self.port), "--grpc-port", "0"]
         command += ["--metrics-port", str(free_port())]
         started = time.monotonic()
@@ -126,7 +126,7 @@ class Server:
             self._proc = subprocess.Popen(command, stdout=out, stderr=err, start_new_session=True)
         try:
             self._wait_ready(started)
-        except ServeError:
+        except BaseException:  # Ctrl-C too: a server that never became ready is not left running
             self.stop()
             raise
         self.ready_s = time.monotonic() - started

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import socket
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from optimize.measure import MeasurePlan, measure
 from optimize.measurement import Measurement, Window
 from optimize.report import Slo
 from optimize.search import Budget, search
+from optimize.server import PortInUseError, Server
 from optimize.settings import SearchSpace, ServingSettings
 
 SLO = Slo(p99_ms=500.0, rate=20.0)  # generous: the figures, not the verdict, are checked on 2 busy cores
@@ -112,6 +114,21 @@ def test_a_server_that_cannot_start_is_recorded_as_failed_and_the_search_goes_on
     assert "exited with status 2" in failed.failure and failed.at_rate == () and not failed.meets()
     assert reused == result.measurements[0] and again.best == reused
     assert Checkpoint(out).get(failed.key) == failed  # recorded: a rerun will not start it again
+
+
+@pytest.mark.slow
+@pytest.mark.serve
+def test_a_port_taken_before_the_server_binds_it_is_a_typed_error_and_a_failed_measurement(model, tmp_path):
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr("optimize.server.free_port", lambda: port)  # every port chosen is the one held
+            with pytest.raises(PortInUseError, match=f"port {port} on 127.0.0.1 is in use"):
+                Server(model, ServingSettings(), tmp_path / "start").start()
+            measured = measure(model, ServingSettings(), SLO, PLAN, tmp_path / "measure", lambda line: None)
+    assert f"port {port} on 127.0.0.1 is in use" in measured.failure and measured.saturation is None
 
 
 def test_the_coarse_grid_spreads_the_cores_fewest_first_and_neighbours_are_one_step_away():
