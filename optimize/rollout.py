@@ -20,6 +20,7 @@ from loadtest import agreement, server_metrics
 LATENCY = "ray_mha_request_latency_seconds"
 REQUESTS = "ray_mha_requests_total"
 POLL_S = 1.0
+SCRAPE_TRIES = 10
 
 
 class RolloutError(RuntimeError):
@@ -111,7 +112,14 @@ class _Reading:
 
 
 def _read(client: httpx.Client, metrics_url: str, route: str, candidate: str) -> _Reading:
-    text = server_metrics.fetch(client, metrics_url)
+    for attempt in range(SCRAPE_TRIES):  # Ray's export answers a scrape 500 now and then while a replica changes
+        try:
+            text = server_metrics.fetch(client, metrics_url)
+            break
+        except server_metrics.MetricsError:
+            if attempt == SCRAPE_TRIES - 1:
+                raise
+            time.sleep(POLL_S)
     latency = server_metrics.parse_histogram(text, LATENCY, {"model": candidate}).buckets.get(candidate, {})
     by_code = server_metrics.parse_counter(text, REQUESTS, {"model": candidate}, by="code")
     return _Reading(agreement.read(text, route, {}), latency, by_code)
