@@ -18,6 +18,8 @@ from typing import Any
 
 import yaml
 
+from optimize.settings import ServingSettings
+
 
 @dataclass(frozen=True)
 class Slo:
@@ -139,26 +141,14 @@ def _gpu_name() -> str:
     return out.stdout.strip().replace("\n", ", ") or "none"
 
 
-def serve_config(point: Point, models_dir: str) -> dict[str, Any]:
-    """A `mha-serving serve --config` file serving the winner with its measured settings."""
-    settings = dict(point.settings)
-    deployment: dict[str, Any] = {}
-    if "intra_op_threads" in settings:
-        deployment["intra_op_threads"] = settings["intra_op_threads"]
-    if "max_batch_size" in settings:
-        deployment["max_batch_size"] = settings["max_batch_size"]
-    if "batch_wait_ms" in settings:
-        deployment["batch_wait_timeout_s"] = settings["batch_wait_ms"] / 1000.0
-    config: dict[str, Any] = {"models_dir": models_dir, "models": [point.candidate]}
-    if deployment:
-        config["deployment"] = deployment
-    if "processes" in settings:
-        config["ingress"] = {"processes": settings["processes"]}
-    return config
-
-
 def write(
-    out: Path, answer: Answer, points: Sequence[Point], slo: Slo, commands: list[str], candidates_dir: Path
+    out: Path,
+    answer: Answer,
+    points: Sequence[Point],
+    slo: Slo,
+    commands: list[str],
+    candidates_dir: Path,
+    backend: str = "cpu",
 ) -> Path:
     """report.md, report.json and the frontier PNGs in `out`; with a winner, its model folder under out/winner/
     and out/serve.yaml. Returns report.md's path."""
@@ -170,7 +160,9 @@ def write(
         if target.exists():
             shutil.rmtree(target)
         shutil.copytree(candidates_dir / winner.candidate, target)
-        (out / "serve.yaml").write_text(yaml.safe_dump(serve_config(winner, str(target.parent)), sort_keys=False))
+        config = ServingSettings.from_json(winner.settings).serve_config(target, backend)
+        config["limits"].pop("drain_s", None)  # the measuring servers' quick stop; a served one keeps the default
+        (out / "serve.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     plots = _plots(out, points, answer)
     report = {
         "slo": asdict(slo),

@@ -21,6 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "heads": ("export.heads_cli", "which heads of a trained model matter: importance and masked accuracy per head"),
     "prune": ("export.prune_cli", "remove a trained model's least important heads and export the smaller models"),
     "prune-curve": ("export.prune_curve", "accuracy and latency against the fraction of heads pruned (needs torch)"),
+    "optimize": ("optimize.cli", "the cheapest head configuration that meets an SLO here, measured; rolled out"),
 }
 
 

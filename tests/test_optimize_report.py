@@ -11,7 +11,19 @@ import yaml
 from optimize.report import Point, Slo, choose, pareto, write
 from service.local.arguments import validated
 
-BASE = Point("m", "fp32", 1.0, {"processes": 1, "intra_op_threads": 2}, 2.0, 0.0, (-0.1, 0.1), 1.0, 40.0, 30.0, 50.0)
+BASE = Point(
+    "m",
+    "fp32",
+    1.0,
+    {"processes": 1, "intra_op_threads": 2, "max_batch_size": 32, "batch_wait_ms": 0.0},
+    2.0,
+    0.0,
+    (-0.1, 0.1),
+    1.0,
+    40.0,
+    30.0,
+    50.0,
+)
 
 
 def test_the_cheapest_point_meeting_a_rate_slo_wins_and_a_failed_one_never_does():
@@ -41,7 +53,8 @@ def test_the_report_writes_a_serve_config_that_loads_the_winners_folder_and_the_
     candidates = tmp_path / "candidates"
     (candidates / "b").mkdir(parents=True)
     (candidates / "b" / "model.onnx").write_bytes(b"onnx")
-    winner = replace(BASE, candidate="b", settings={"processes": 2, "intra_op_threads": 1, "max_batch_size": 8})
+    settings = {"processes": 2, "intra_op_threads": 1, "max_batch_size": 8, "batch_wait_ms": 2.0}
+    winner = replace(BASE, candidate="b", settings=settings)
     points = [winner, replace(BASE, candidate="a", p99_ms=90.0)]
     answer = choose(points, Slo(p99_ms=50.0, rate=100.0))
     report = write(
@@ -50,6 +63,7 @@ def test_the_report_writes_a_serve_config_that_loads_the_winners_folder_and_the_
     out = report.parent
     config = validated(yaml.safe_load((out / "serve.yaml").read_text()))
     assert config.models == ["b"] and config.ingress.processes == 2 and config.deployment.intra_op_threads == 1
+    assert config.deployment.batch_wait_timeout_s == 0.002 and config.models_dir == str(out / "winner")
     assert (out / "winner" / "b" / "model.onnx").read_bytes() == b"onnx"
     data = json.loads((out / "report.json").read_text())
     assert data["winner"]["candidate"] == "b" and data["machine"]["cores"] >= 1 and data["commands"]
