@@ -53,8 +53,8 @@ class Point:
 
     @property
     def label(self) -> str:
-        knobs = ",".join(f"{k}={v}" for k, v in sorted(self.settings.items()))
-        return f"{self.candidate} [{knobs}]"
+        """The candidate and its settings' key: p(rocesses)-t(hreads)-b(atch)-w(ait ms)."""
+        return f"{self.candidate} [{ServingSettings.from_json(self.settings).key}]"
 
     def meets(self, slo: Slo) -> bool:
         if self.failure:
@@ -88,7 +88,7 @@ def choose(points: Sequence[Point], slo: Slo) -> Answer:
             best = max(meeting, key=lambda p: (p.max_rate / p.cores, -(p.accuracy_drop or 0.0)))
             why = (
                 f"the most requests/s per core within p99 <= {slo.p99_ms:g} ms: {best.max_rate:.0f} req/s on "
-                f"{best.cores:g} cores, accuracy drop {_drop(best)}"
+                f"{best.cores:g} core(s), accuracy drop {_drop(best)}"
             )
         return Answer(best, why, frontier=frontier)
     measured = [p for p in points if not p.failure and p.p99_ms is not None]
