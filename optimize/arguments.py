@@ -60,7 +60,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--backend", choices=("cpu", "gpu"), default="cpu", help="where it will serve (default cpu)")
     p.add_argument("--budget", default="20m", help="time for the whole search, e.g. 20m, 90s (default 20m)")
     p.add_argument("--keep", default="1,0.75,0.5,0.25", help="fractions of heads kept (default %(default)s)")
-    p.add_argument("--out", type=Path, help="the run's folder (default optimize/<model>); a rerun resumes it")
+    p.add_argument("--out", type=Path, help="the run's folder (default runs/optimize/<model>); a rerun resumes it")
     p.add_argument("--seq-len", type=int, default=32, help="tokens per sequence of the load (default 32)")
     p.add_argument("--rollout", choices=("shadow",), help="roll the winner out on a running service's route")
     p.add_argument("--route", help="--rollout: the route to roll the winner out on")
@@ -89,7 +89,7 @@ def checked(args: argparse.Namespace) -> argparse.Namespace:
     args.budget_s = parse_budget(args.budget)
     args.keep = parse_fractions(args.keep)
     args.rollout_steps = parse_steps(args.rollout_steps)
-    args.out = args.out or Path("optimize") / args.model.resolve().name
+    args.out = args.out or Path("runs") / "optimize" / args.model.resolve().name  # beside the sweep's runs/
     if args.rollout:
         if not args.route:
             raise UsageError("--rollout shadow needs --route NAME (the route the winner is rolled out on)")
