@@ -17,7 +17,7 @@ from service.deployment import model_deployment
 from service.ingress import Ingress
 from service.model_store import find_models
 from service.routes import RouteTable
-from service.serve_control import ingress_user_config
+from service.serve_control import FAILED, ingress_user_config
 
 
 def gpu_share(backend: str, cluster_gpus: float, n_models: int) -> float:
@@ -78,5 +78,4 @@ def failure_reasons(app_name: str) -> dict[str, str]:
     app = serve.status().applications.get(app_name)
     if app is None:
         return {}
-    failed = ("DEPLOY_FAILED", "UNHEALTHY")
-    return {name: d.message for name, d in app.deployments.items() if str(d.status).split(".")[-1] in failed}
+    return {name: d.message for name, d in app.deployments.items() if str(d.status).split(".")[-1] in FAILED}

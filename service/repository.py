@@ -5,7 +5,8 @@ get_model_repository_index work as they are). An administrative API: off unless 
 refused without its token.
 
 One process takes the request; the change reaches every process as the ingress's user_config (`models`: name ->
-generation), applied in place by each one's reconfigure (`apply`), as route reloads are. Models placed in their own
+generation), applied in place by each one's reconfigure (`load_wanted`, then `unload_unwanted` once the routes are
+installed), as route reloads are. Models placed in their own
 deployments are not loaded here: they come and go with a redeploy. No torch, no transport.
 """
 
@@ -50,7 +51,7 @@ class IndexEntry:
 
 class Repository:
     """This process's share of the repository: the models it loaded (name -> generation; 0: loaded at start), the
-    changes it asks of every process, and `apply`, which makes this process serve what the user_config says."""
+    changes it asks of every process, and the steps that make this process serve what the user_config says."""
 
     def __init__(
         self,
@@ -88,12 +89,8 @@ class Repository:
     # ---- the API ----
     async def index(self, ready_only: bool = False) -> list[IndexEntry]:
         """Every model folder, and every model served, with its state here."""
-        try:
-            folders = find_models(self._config.models_dir)
-        except ModelFileError:  # no folder left: what is served is still listed
-            folders = []
         entries = []
-        for name in sorted({*folders, *self._models.names}):
+        for name in sorted({*self._folders(), *self._models.names}):
             if name in self._models:
                 status = await self._models.status(name, live=True)
                 entry = IndexEntry(name, READY if status.ready else UNAVAILABLE, status.reason)
@@ -134,7 +131,7 @@ class Repository:
             return
         if name not in self._generations:
             raise ConflictError(f"model {name!r} is placed in its own deployment: it goes with a redeploy")
-        targeted = [p.name for p in self._models.routes.plans.values() if name in (*p.targets, p.shadow)]
+        targeted = self._models.routes_targeting(name)
         if targeted:
             raise ConflictError(f"model {name!r} is a target of routes {targeted}: change the routes first")
         async with self._changing:
@@ -159,11 +156,15 @@ class Repository:
             await self._everywhere({"routes": routes})
         logger.info("repository: route %r %s in every serving process", name, "set" if route else "removed")
 
-    def _check_folder(self, name: str) -> None:
+    def _folders(self) -> list[str]:
+        """The model folders in models_dir now; none when it has none left (what is served is still listed)."""
         try:
-            folders = find_models(self._config.models_dir)
+            return find_models(self._config.models_dir)
         except ModelFileError:
-            folders = []
+            return []
+
+    def _check_folder(self, name: str) -> None:
+        folders = self._folders()
         if name not in folders:
             raise ModelNotFoundError(f"no model {shortened(name)!r} in the repository; folders: {folders}")
 

@@ -65,7 +65,7 @@ class ServedModels:
     def remove(self, name: str) -> ModelPlacement | None:
         """Stop serving `name` (its requests in progress finish); the placement removed, or None when a route
         targets it or it is not served (a route is changed first)."""
-        targeted = [plan.name for plan in self.routes.plans.values() if name in (*plan.targets, plan.shadow)]
+        targeted = self.routes_targeting(name)
         if targeted:
             logger.error("model %r not unloaded: routes %s target it", name, targeted)
             return None
@@ -73,6 +73,10 @@ class ServedModels:
         self.names = list(self._models)
         self._forget(name)
         return placement
+
+    def routes_targeting(self, name: str) -> list[str]:
+        """The routes that send to `name` or mirror to it."""
+        return [plan.name for plan in self.routes.plans.values() if name in (*plan.targets, plan.shadow)]
 
     def _forget(self, name: str) -> None:
         if self._ready.pop(name, None) is not None:
