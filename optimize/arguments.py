@@ -7,10 +7,10 @@ import os
 import re
 from pathlib import Path
 
+from contract.repository import TOKEN_ENV
 from contract.settings import UsageError
 
 PROG = "mha-serving optimize"
-TOKEN_ENV = "MHA_REPOSITORY_TOKEN"  # the running service's repository token, for --rollout (as `serve --repository`)
 DESCRIPTION = (
     "From a trained model to the cheapest head configuration that meets an SLO on this machine, measured on the real "
     "serving stack; optionally rolled out on a running service behind a shadow."

@@ -22,14 +22,13 @@ from pathlib import Path
 
 import httpx
 
+from contract.repository import DEFAULT_HEADER, TOKEN_ENV
 from contract.settings import UsageError
-from optimize.arguments import PROG, TOKEN_ENV, parse_args
+from optimize.arguments import PROG, parse_args
 from optimize.measure import MeasurePlan
 from optimize.report import Slo, choose, write
 from optimize.rollout import RolloutError, RolloutPlan, ServiceAdmin, rollout
 from optimize.search import search
-
-REPOSITORY_HEADER = "x-mha-repository-token"  # the service's default (repository.header)
 
 
 def say(line: str) -> None:
@@ -101,7 +100,7 @@ def _rollout(args, winner: str) -> int:
         if not target.exists():
             shutil.copytree(args.out / "winner" / winner, target)
             say(f"rollout: copied {winner} into {args.service_models}")
-    admin = ServiceAdmin(args.url, REPOSITORY_HEADER, os.environ[TOKEN_ENV])
+    admin = ServiceAdmin(args.url, DEFAULT_HEADER, os.environ[TOKEN_ENV])
     plan = RolloutPlan(
         args.route,
         winner,

@@ -8,6 +8,8 @@ import re
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from contract.repository import DEFAULT_HEADER
+
 
 class RepositorySettings(BaseModel):
     """The model repository API (load, unload, index: service/repository.py), an administrative API: off unless
@@ -15,9 +17,7 @@ class RepositorySettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     enabled: bool = Field(False, description="serve /v2/repository/...; off: those paths answer 404")
-    header: str = Field(
-        "x-mha-repository-token", min_length=1, description="the request header that must carry the token"
-    )
+    header: str = Field(DEFAULT_HEADER, min_length=1, description="the request header that must carry the token")
     token_sha256: str | None = Field(
         None,
         description="the token's SHA-256 (hex), so that no config shows the token itself (`mha-serving serve "

@@ -24,12 +24,12 @@ from conftest import TINY, export_tiny_model
 from serving import serve_process
 from tritonclient.utils import InferenceServerException
 
+from contract.repository import TOKEN_ENV
 from export.convert import export_model, exporter_versions
 from export.model import EncoderClassifier, EncoderConfig
 from optimize.rollout import RolloutPlan, ServiceAdmin, rollout
 from service.ingress import SERVED_BY
 from service.local import launcher
-from service.local.arguments import TOKEN_ENV
 from service.local.ports import free_port
 from service.repository_settings import RepositorySettings
 

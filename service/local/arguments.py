@@ -12,6 +12,7 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
+from contract.repository import DEFAULT_HEADER, TOKEN_ENV
 from service.config import INGRESS_NAME, AppConfig
 
 DESCRIPTION = (
@@ -20,7 +21,6 @@ DESCRIPTION = (
 DEFAULT_PORT = 8000
 DEFAULT_GRPC_PORT = 8001  # Triton's gRPC port; KServe's is 8081
 DEFAULT_METRICS_PORT = 8080  # Ray's metrics export port: every replica's series on one /metrics URL
-TOKEN_ENV = "MHA_REPOSITORY_TOKEN"  # the repository API's token: an environment variable, never a flag (ps shows flags)
 MIN_TOKEN_CHARS = 16
 
 
@@ -67,7 +67,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         action="store_true",
         help=f"serve the model repository API (/v2/repository/...: load, unload, index), its token read from "
         f"${TOKEN_ENV} (at least {MIN_TOKEN_CHARS} characters); requests must carry it in the header named by "
-        "repository.header (default x-mha-repository-token)",
+        f"repository.header (default {DEFAULT_HEADER})",
     )
     return p.parse_args(argv)
 
