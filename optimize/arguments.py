@@ -57,6 +57,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--slo-p99-ms", type=float, help="the p99 latency bar in ms (at --slo-rate, if given)")
     p.add_argument("--slo-rate", type=float, help="the request rate to sustain, requests/s (one sequence each)")
     p.add_argument("--max-accuracy-drop", type=float, default=0.5, help="points, against the model (default 0.5)")
+    p.add_argument(
+        "--headroom",
+        type=float,
+        default=0.15,
+        help="with --slo-rate: the spare rate a configuration must hold beyond it, as a fraction (default 0.15)",
+    )
     p.add_argument("--backend", choices=("cpu", "gpu"), default="cpu", help="where it will serve (default cpu)")
     p.add_argument("--budget", default="20m", help="time for the whole search, e.g. 20m, 90s (default 20m)")
     p.add_argument("--keep", default="1,0.75,0.5,0.25", help="fractions of heads kept (default %(default)s)")
@@ -82,6 +88,8 @@ def checked(args: argparse.Namespace) -> argparse.Namespace:
     for flag, value in (("--slo-p99-ms", args.slo_p99_ms), ("--slo-rate", args.slo_rate), ("--hold", args.hold)):
         if value is not None and value <= 0:
             raise UsageError(f"{flag} must be positive, got {value:g}")
+    if not 0 <= args.headroom <= 10:
+        raise UsageError(f"--headroom must be a fraction of the rate from 0 to 10 (0.15: 15 %), got {args.headroom:g}")
     if args.max_accuracy_drop < 0:
         raise UsageError(f"--max-accuracy-drop must be 0 or more points, got {args.max_accuracy_drop:g}")
     if not (args.model / "model.onnx").is_file():

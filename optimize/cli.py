@@ -52,14 +52,15 @@ def main(argv: list[str] | None = None) -> int:
     if not kept:
         say(f"no candidate is within {args.max_accuracy_drop:g} points of the model: nothing to measure")
         return 1
-    slo = Slo(args.slo_p99_ms, args.slo_rate)
+    slo = Slo(args.slo_p99_ms, args.slo_rate, args.headroom if args.slo_rate else 0.0)
     budget_left = args.budget_s - (time.monotonic() - started)
     say(f"measuring {len(kept)} candidate(s) on the serving stack for {slo.describe()}, {budget_left:.0f} s left")
     plan = MeasurePlan(seq_len=args.seq_len, backend=args.backend)
     result = search([Path(c["folder"]) for c in kept], slo, plan, args.out, budget_left, progress=say)
     entries = {c["name"]: c for c in data["candidates"]}
     points = [m.point(entries.get(m.candidate)) for m in result.measurements]
-    answer = choose(points, slo)
+    confirmations = {c.point().label: c.point(entries.get(c.candidate)) for c in result.confirmations}
+    answer = choose(points, slo, confirmations)
     report = write(args.out, answer, points, slo, _commands(argv, args), args.out / "candidates", args.backend)
     say(f"{answer.why}")
     say(f"report: {report} ({time.monotonic() - started:.0f} s in all, search ended: {result.stopped_by})")

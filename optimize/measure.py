@@ -144,7 +144,8 @@ def _highest_rate(
     driver: Driver, slo: Slo, plan: MeasurePlan, saturation: Window, met: bool | None, progress: Progress
 ) -> tuple[list[Window], float | None]:
     """Bisect between what is known to hold (0, or the SLO's rate if it met the bar there) and what cannot
-    (saturation, or the SLO's rate if it did not), from half the saturation throughput."""
+    (saturation, or the SLO's rate if it did not), from half the saturation throughput; where the SLO's rate held
+    and the SLO asks for headroom, from the rate with that headroom, which is what the verdict turns on."""
     low, high = 0.0, saturation.rps
     if met is True:
         low, high = slo.rate, max(high, slo.rate)
@@ -152,6 +153,8 @@ def _highest_rate(
         high = min(high, slo.rate)
     probes: list[Window] = []
     rate = high * 0.5 if low == 0 else (low + high) / 2
+    if met is True and slo.headroom and low < slo.spare_rate < high:
+        rate = slo.spare_rate
     for _ in range(plan.rate_steps):
         if high <= 0 or high - low <= 0.05 * high:  # within 5 %: another window would not tell them apart
             break

@@ -49,9 +49,10 @@ def slo_key(slo: Slo) -> str:
     return f"p99={slo.p99_ms if slo.p99_ms is not None else '-'}:rate={slo.rate if slo.rate is not None else '-'}"
 
 
-def measurement_key(candidate: str, settings: ServingSettings, slo: Slo) -> str:
-    """What a measurement is recorded under: a rerun with the same key finds it and measures nothing."""
-    return f"{candidate}|{settings.key}|{slo_key(slo)}"
+def measurement_key(candidate: str, settings: ServingSettings, slo: Slo, confirms: bool = False) -> str:
+    """What a measurement is recorded under: a rerun with the same key finds it and measures nothing. A
+    confirmation (the same configuration again, on a fresh server) has a key of its own."""
+    return f"{candidate}|{settings.key}|{slo_key(slo)}{'|confirms' if confirms else ''}"
 
 
 @dataclass(frozen=True)
@@ -76,22 +77,20 @@ class Measurement:
     seconds: float = 0.0  # the whole measurement: start, load, stop
     measured_at: str = ""  # UTC, ISO 8601
     notes: tuple[str, ...] = field(default_factory=tuple)
+    confirms: bool = False  # measured again on a fresh server, to confirm the search's choice
 
     @property
     def key(self) -> str:
-        return measurement_key(self.candidate, self.settings, self.slo)
+        return measurement_key(self.candidate, self.settings, self.slo, self.confirms)
 
     @property
     def sustained(self) -> bool:
         """At the SLO's rate, every window kept up (no SLO rate: nothing to keep up with)."""
         return bool(self.at_rate) and all(w.sustained for w in self.at_rate)
 
-    def meets(self) -> bool:
-        if self.failure:
-            return False
-        if self.slo.rate is not None:
-            return holds_rate(self.at_rate, self.p99_ms, self.slo.p99_ms)
-        return self.max_rate is not None
+    def meets(self, slo: Slo | None = None) -> bool:
+        """Against `slo` (default: the one it was measured for; a headroom is a verdict, not part of the key)."""
+        return self.point().meets(slo or self.slo)
 
     def point(self, candidate: dict[str, Any] | None = None) -> Point:
         """For the report: with `candidate`, its entry of candidates.json (accuracy, heads kept). At the SLO's rate,

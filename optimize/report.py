@@ -25,13 +25,25 @@ from optimize.settings import ServingSettings
 class Slo:
     p99_ms: float | None = None  # at `rate` (or at the highest rate that keeps it, without one)
     rate: float | None = None  # requests/s
+    # A rate is met only with this much spare: the highest rate within the p99 bar (saturation, without a bar) at
+    # least (1 + headroom) x rate. At its knee a configuration's p99 swings with the machine's noise (docs/optimize.md).
+    headroom: float = 0.0
 
     def describe(self) -> str:
         parts = [
             f"p99 <= {self.p99_ms:g} ms" if self.p99_ms is not None else "",
             f"at {self.rate:g} req/s" if self.rate else "",
+            f"with {self.headroom:.0%} headroom" if self.rate and self.headroom else "",
         ]
         return " ".join(p for p in parts if p) or "none"
+
+    @property
+    def spare_rate(self) -> float | None:
+        """The rate a configuration must hold to meet this SLO with its headroom (None without a rate)."""
+        return None if self.rate is None else self.rate * (1 + self.headroom)
+
+    def without_headroom(self) -> Slo:
+        return Slo(self.p99_ms, self.rate)
 
 
 @dataclass(frozen=True)
@@ -60,8 +72,13 @@ class Point:
         if self.failure:
             return False
         if slo.rate is not None:
-            return self.p99_ms is not None and (slo.p99_ms is None or self.p99_ms <= slo.p99_ms)
+            within = self.p99_ms is not None and (slo.p99_ms is None or self.p99_ms <= slo.p99_ms)
+            return within and (not slo.headroom or (self.capacity(slo) or 0.0) >= slo.spare_rate)
         return self.max_rate is not None and self.max_rate > 0
+
+    def capacity(self, slo: Slo) -> float | None:
+        """The highest rate it holds: within the p99 bar, or (a rate-only SLO) at saturation."""
+        return self.max_rate if slo.p99_ms is not None else self.saturation_rps
 
 
 @dataclass(frozen=True)
@@ -70,19 +87,30 @@ class Answer:
     why: str
     closest: Point | None = None  # when nothing meets the SLO: the nearest miss
     frontier: list[Point] = field(default_factory=list)
+    # label -> the same configuration measured again on a fresh server (optimize/search.py's confirmation)
+    confirmations: dict[str, Point] = field(default_factory=dict)
 
 
-def choose(points: Sequence[Point], slo: Slo) -> Answer:
+def confirmed(first: Point, again: Point, slo: Slo) -> bool:
+    """A fresh run confirms a configuration when it meets the SLO again; the headroom is the margin it may lose."""
+    return first.label == again.label and again.meets(slo.without_headroom())
+
+
+def choose(points: Sequence[Point], slo: Slo, confirmations: dict[str, Point] | None = None) -> Answer:
     """The cheapest point meeting the SLO: fewest cores, then the lowest p99, then the smallest accuracy drop; with
-    a p99 bar and no rate, the most requests/s per core. Without one: the closest miss, and why."""
-    meeting = [p for p in points if p.meets(slo)]
+    a p99 bar and no rate, the most requests/s per core. A point a fresh run did not confirm never wins. Without
+    one: the closest miss, and why."""
+    confirmations = confirmations or {}
+    refuted = {p.label for p in points if p.label in confirmations and not confirmed(p, confirmations[p.label], slo)}
+    meeting = [p for p in points if p.meets(slo) and p.label not in refuted]
     frontier = pareto(points, lambda p: p.p99_ms)
     if meeting:
         if slo.rate is not None:
             best = min(meeting, key=lambda p: (p.cores, p.p99_ms, p.accuracy_drop or 0.0))
             why = (
-                f"the fewest cores ({best.cores:g}) that keep {slo.describe()}: p99 {best.p99_ms:.1f} ms, accuracy "
-                f"drop {_drop(best)}; {len(meeting)} of {len(points)} measured configurations meet it"
+                f"the fewest cores ({best.cores:g}) that keep {slo.describe()}: p99 {best.p99_ms:.1f} ms, "
+                f"{_capacity(best, slo)}, accuracy drop {_drop(best)}; {len(meeting)} of {len(points)} measured "
+                "configurations meet it"
             )
         else:
             best = max(meeting, key=lambda p: (p.max_rate / p.cores, -(p.accuracy_drop or 0.0)))
@@ -90,13 +118,58 @@ def choose(points: Sequence[Point], slo: Slo) -> Answer:
                 f"the most requests/s per core within p99 <= {slo.p99_ms:g} ms: {best.max_rate:.0f} req/s on "
                 f"{best.cores:g} core(s), accuracy drop {_drop(best)}"
             )
-        return Answer(best, why, frontier=frontier)
-    measured = [p for p in points if not p.failure and p.p99_ms is not None]
+        if best.label in confirmations:
+            why += f"; {_confirmation(best, confirmations[best.label], slo)}"
+        return Answer(best, why, frontier=frontier, confirmations=confirmations)
+    measured = [p for p in points if not p.failure]
     if not measured:
-        return Answer(None, "no configuration could be measured", frontier=frontier)
-    closest = min(measured, key=lambda p: (p.p99_ms, p.cores))
-    why = f"no configuration meets {slo.describe()}; the closest: p99 {closest.p99_ms:.1f} ms with {closest.label}"
-    return Answer(None, why, closest, frontier)
+        return Answer(None, "no configuration could be measured", frontier=frontier, confirmations=confirmations)
+    closest = min(
+        measured,
+        key=lambda p: (
+            p.label in refuted,
+            not p.meets(slo.without_headroom()),
+            p.p99_ms if p.p99_ms is not None else math.inf,
+            -(p.capacity(slo) or 0.0),
+            p.cores,
+        ),
+    )
+    if slo.rate is not None:
+        figures = f"p99 {_num(closest.p99_ms, 1)} ms, {_capacity(closest, slo)}"
+    else:
+        figures = f"no rate within the bar, saturation {_num(closest.saturation_rps, 0)} req/s"
+    why = f"no configuration meets {slo.describe()}; the closest: {figures} with {closest.label}"
+    if closest.label in confirmations:
+        why += f"; {_confirmation(closest, confirmations[closest.label], slo)}"
+    return Answer(None, why, closest, frontier, confirmations)
+
+
+def _capacity(p: Point, slo: Slo) -> str:
+    capacity = p.capacity(slo)
+    if slo.rate is None or capacity is None:
+        return "no rate held" if slo.rate is not None else ""
+    held = "within the p99 bar" if slo.p99_ms is not None else "at saturation"
+    return f"{capacity:.0f} req/s held {held} ({capacity / slo.rate:.2f} x the SLO's rate)"
+
+
+def _confirmation(first: Point, again: Point, slo: Slo) -> str:
+    verdict = "confirmed" if confirmed(first, again, slo) else "not confirmed"
+    return f"{verdict} on a fresh server: {_ratios(first, again)}"
+
+
+def _ratios(first: Point, again: Point) -> str:
+    """The fresh run's figures beside the first's: p99 at the rate, the highest rate within the bar, saturation."""
+    parts = []
+    for name, a, b, digits in (
+        ("p99", first.p99_ms, again.p99_ms, 1),
+        ("max rate", first.max_rate, again.max_rate, 0),
+        ("saturation", first.saturation_rps, again.saturation_rps, 0),
+    ):
+        if a is None and b is None:
+            continue
+        ratio = f" ({b / a:.2f} x)" if a and b is not None else ""
+        parts.append(f"{name} {_num(a, digits)} -> {_num(b, digits)}{ratio}")
+    return ", ".join(parts) or "nothing to compare"
 
 
 def pareto(points: Sequence[Point], cost) -> list[Point]:
@@ -170,6 +243,7 @@ def write(
         "why": answer.why,
         "closest": asdict(answer.closest) if answer.closest else None,
         "frontier": [p.label for p in answer.frontier],
+        "confirmations": {label: asdict(again) for label, again in answer.confirmations.items()},
         "points": [asdict(p) for p in points],
         "machine": stamp,
         "commands": commands,
@@ -210,6 +284,14 @@ def _markdown(
             f"| {p.label}{mark} | {p.cores:g} | {_drop(p)} | {agree} | {_num(p.p99_ms, 1)} | {_num(p.max_rate, 0)} | "
             f"{_num(p.saturation_rps, 0)} |"
         )
+    if answer.confirmations:
+        by_label = {p.label: p for p in points}
+        lines += ["", "Measured again, each on a fresh server:", ""]
+        lines += [
+            f"- {label}: {_confirmation(by_label[label], again, slo)}"
+            for label, again in answer.confirmations.items()
+            if label in by_label
+        ]
     lines += ["", *[f"![{Path(p).stem}]({p})" for p in plots], ""]
     lines += ["## Machine", "", "```json", json.dumps(stamp, indent=2), "```", ""]
     lines += ["## Reproduce", "", "```bash", *commands, "```", ""]

@@ -1,6 +1,7 @@
 """The serving settings search for the candidates that survived stage 1: a coarse grid (every layout of the cores, all
 candidates at the fewest cores first), then a local search around the best, one axis a step at a time, while the
-budget lasts. Every finished measurement is checkpointed; a rerun reuses what is recorded and measures the rest.
+budget lasts, then the choice measured again on a fresh server (a choice the fresh run refutes is set aside, and the
+next one confirmed). Every finished measurement is checkpointed; a rerun reuses what is recorded and measures the rest.
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from optimize.checkpoint import Checkpoint
@@ -47,14 +48,25 @@ class SearchResult:
     best: Measurement | None  # the cheapest meeting the SLO: fewest cores, then lowest p99 (optimize/report.py)
     closest: Measurement | None  # without one: the nearest miss
     why: str
+    confirmations: tuple[Measurement, ...] = ()  # choices measured again on a fresh server, in order
 
 
 class _Search:
-    def __init__(self, slo: Slo, plan: MeasurePlan, out: Path, budget: Budget, measure: Measure, progress: Progress):
+    def __init__(
+        self,
+        slo: Slo,
+        plan: MeasurePlan,
+        out: Path,
+        budget: Budget,
+        measure: Measure,
+        progress: Progress,
+        confirm: bool,
+    ):
         self.slo, self.plan, self.out, self.budget = slo, plan, Path(out), budget
-        self.measure, self.progress = measure, progress
+        self.measure, self.progress, self.confirm = measure, progress, confirm
         self.checkpoint = Checkpoint(self.out)
         self.done: dict[str, Measurement] = {}  # by key, in the order looked at
+        self.confirmations: dict[str, Measurement] = {}  # by the configuration's label
         self.costs: list[float] = []  # seconds of this run's measured (not failed) ones
         self.measured = self.reused = 0
         self.stopped_by = "done"
@@ -76,8 +88,9 @@ class _Search:
         cheapest = self._cheapest_meeting()
         if cheapest is not None and settings.cores() > cheapest:
             return  # more cores than a configuration that already meets the SLO: it cannot be the cheapest
-        estimate = statistics.mean(self.costs) if self.costs else self.plan.estimate_s(self.slo)
-        if not self.budget.allows(estimate):
+        estimate = self._estimate()
+        reserve = estimate if self.confirm else 0.0  # the search leaves room to confirm its choice
+        if not self.budget.allows(estimate + reserve):
             self.stopped_by = "budget"
             self.progress(
                 f"{self._where()} budget spent: {folder.name} [{settings.key}] would take ~{estimate:.0f} s; "
@@ -91,14 +104,44 @@ class _Search:
         self.measured += 1
         if not measured.failure:
             self.costs.append(measured.seconds)
-        self.progress(f"{self._where()} {folder.name} [{settings.key}]: {summary(measured)}")
+        self.progress(f"{self._where()} {folder.name} [{settings.key}]: {summary(measured, self.slo)}")
+
+    def confirm_choice(self, folders: dict[str, Path]) -> None:
+        """The chosen configuration measured again on a fresh server (or found recorded); one the fresh run does not
+        confirm is set aside and the next choice measured, while the budget lasts."""
+        while True:
+            winner, _, _ = self.answer()
+            if winner is None or winner.point().label in self.confirmations:
+                return
+            label, key = winner.point().label, measurement_key(winner.candidate, winner.settings, self.slo, True)
+            again = self.checkpoint.get(key)
+            if again is None:
+                estimate = self._estimate()
+                if not self.budget.allows(estimate):
+                    self.progress(f"{self._where()} no budget left to confirm {label} (~{estimate:.0f} s): unconfirmed")
+                    return
+                self.progress(f"{self._where()} confirming {label} on a fresh server")
+                workdir = self.out / SERVERS_DIR / f"{winner.candidate}-{winner.settings.key}-confirms"
+                folder = folders[winner.candidate]
+                again = self.measure(folder, winner.settings, self.slo, self.plan, workdir, self.progress)
+                again = replace(again, confirms=True)
+                self.checkpoint.add(again)
+                self.measured += 1
+                if not again.failure:
+                    self.costs.append(again.seconds)
+            self.confirmations[label] = again
+            self.progress(f"{self._where()} {label} again: {summary(again, self.slo)}")
+
+    def _estimate(self) -> float:
+        """Seconds one more measurement will take: the mean of this run's, or the plan's estimate before any."""
+        return statistics.mean(self.costs) if self.costs else self.plan.estimate_s(self.slo)
 
     def _cheapest_meeting(self) -> int | None:
         """The fewest cores of a measured configuration meeting a rate SLO (None without a rate: then the most
         requests/s per core wins, and more cores may still do better)."""
         if self.slo.rate is None:
             return None
-        meeting = [m.cores for m in self.done.values() if m.meets()]
+        meeting = [m.cores for m in self.done.values() if m.meets(self.slo)]
         return min(meeting) if meeting else None
 
     def _where(self) -> str:
@@ -108,7 +151,8 @@ class _Search:
     def answer(self) -> tuple[Measurement | None, Measurement | None, str]:
         """The best (or, without one meeting the SLO, the closest) by optimize/report.py's rule."""
         by_label = {m.point().label: m for m in self.done.values()}
-        answer = choose([m.point() for m in self.done.values()], self.slo)
+        confirmations = {label: m.point() for label, m in self.confirmations.items()}
+        answer = choose([m.point() for m in self.done.values()], self.slo, confirmations)
         winner = by_label[answer.winner.label] if answer.winner else None
         closest = by_label[answer.closest.label] if answer.closest else None
         return winner, closest, answer.why
@@ -123,12 +167,13 @@ def search(
     space: SearchSpace | None = None,
     measure: Measure = measure,
     progress: Progress = to_stderr,
+    confirm: bool = True,
 ) -> SearchResult:
     """Measure `candidates` (model folders) over `space` (default: this machine's) within `budget_s` seconds,
-    checkpointing into `out`; the cheapest configuration that meets `slo`."""
+    checkpointing into `out`; the cheapest configuration that meets `slo`, confirmed on a fresh server (`confirm`)."""
     space = space or SearchSpace.for_machine()
     folders = [Path(c) for c in candidates]
-    run = _Search(slo, plan, out, Budget(budget_s), measure, progress)
+    run = _Search(slo, plan, out, Budget(budget_s), measure, progress, confirm)
     if run.checkpoint.unreadable:
         progress(f"{run.checkpoint.path}: {run.checkpoint.unreadable} unreadable line(s) skipped (measured again)")
     grid = space.coarse()
@@ -137,9 +182,20 @@ def search(
         for folder in folders:
             run.visit(folder, settings)
     _local(run, space, folders)
+    if confirm:
+        run.confirm_choice({f.name: f for f in folders})
     winner, closest, why = run.answer()
     progress(f"search {run.stopped_by}: {why}")
-    return SearchResult(tuple(run.done.values()), run.measured, run.reused, run.stopped_by, winner, closest, why)
+    return SearchResult(
+        tuple(run.done.values()),
+        run.measured,
+        run.reused,
+        run.stopped_by,
+        winner,
+        closest,
+        why,
+        tuple(run.confirmations.values()),
+    )
 
 
 def _local(run: _Search, space: SearchSpace, folders: list[Path]) -> None:
@@ -160,8 +216,8 @@ def _local(run: _Search, space: SearchSpace, folders: list[Path]) -> None:
                 break  # a better centre: search around it instead
 
 
-def summary(m: Measurement) -> str:
-    """One line: what a measurement found."""
+def summary(m: Measurement, slo: Slo | None = None) -> str:
+    """One line: what a measurement found, and its verdict against `slo` (default: the one it was measured for)."""
     if m.failure:
         return f"failed: {m.failure}"
     parts = []
@@ -173,5 +229,5 @@ def summary(m: Measurement) -> str:
         parts.append(f"saturation {m.saturation.rps:.0f} req/s")
     if m.slo.p99_ms is not None:
         parts.append(f"max rate within p99 {m.max_rate if m.max_rate is not None else 'none'}")
-    verdict = "meets the SLO" if m.meets() else "misses the SLO"
+    verdict = "meets the SLO" if m.meets(slo) else "misses the SLO"
     return f"{', '.join(parts)}; {m.cores} core(s), {verdict} ({m.seconds:.0f} s)"

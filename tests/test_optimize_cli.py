@@ -19,6 +19,7 @@ from optimize.arguments import parse_budget
         (["--model", "{model}", "--slo-rate", "10", "--keep", "1,1.5"], "--keep fractions must be within (0, 1]"),
         (["--model", "{model}", "--slo-rate", "10", "--rollout", "shadow"], "needs --route NAME"),
         (["--model", "{model}", "--slo-rate", "10", "--rollout-steps", "10,50"], "end at 100"),
+        (["--model", "{model}", "--slo-rate", "10", "--headroom", "-0.1"], "--headroom must be a fraction"),
     ],
 )
 def test_each_bad_input_is_one_line_and_exit_status_2(argv, says, tiny_models_dir, tmp_path, capsys):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import socket
 from pathlib import Path
 
@@ -53,7 +54,8 @@ def first(model, tmp_path_factory):
     space = SearchSpace(max_batch_size=(8, 32), coarse_batch_sizes=(8, 32), **ONE_CORE)
     counted = Counted()
     lines: list[str] = []
-    result = search([model], SLO, PLAN, out, PLAN.estimate_s(SLO) + 0.01, space, counted, lines.append)
+    budget = PLAN.estimate_s(SLO) + 0.01
+    result = search([model], SLO, PLAN, out, budget, space, counted, lines.append, confirm=False)
     return out, result, counted, lines
 
 
@@ -95,7 +97,7 @@ def test_the_checkpoint_holds_the_measurement_and_a_rerun_starts_no_server(first
     assert recorded["key"] == result.measurements[0].key and recorded["saturation"]["ok"] > 0
     counted = Counted()
     space = SearchSpace(max_batch_size=(8,), coarse_batch_sizes=(8,), **ONE_CORE)
-    again = search([model], SLO, PLAN, out, 3600, space, counted, lambda line: None)
+    again = search([model], SLO, PLAN, out, 3600, space, counted, lambda line: None, confirm=False)
     assert counted.calls == [] and again.measured == 0 and again.reused == 1
     assert again.measurements == result.measurements and again.best == result.measurements[0]
 
@@ -107,13 +109,73 @@ def test_a_server_that_cannot_start_is_recorded_as_failed_and_the_search_goes_on
     counted = Counted()
     lines: list[str] = []
     space = SearchSpace(max_batch_size=(0, 8), coarse_batch_sizes=(0, 8), **ONE_CORE)  # batch 0: the server refuses
-    again = search([model], SLO, PLAN, out, 3600, space, counted, lines.append)
+    again = search([model], SLO, PLAN, out, 3600, space, counted, lines.append, confirm=False)
     assert counted.calls == [ServingSettings(1, 1, 0, 0.0)]
     failed, reused = again.measurements
     assert failed.settings.max_batch_size == 0 and "max_batch_size" in failed.failure
     assert "exited with status 2" in failed.failure and failed.at_rate == () and not failed.meets()
     assert reused == result.measurements[0] and again.best == reused
     assert Checkpoint(out).get(failed.key) == failed  # recorded: a rerun will not start it again
+
+
+@pytest.mark.slow
+@pytest.mark.serve
+def test_the_choice_is_measured_again_on_a_fresh_server_and_recorded_apart(first, model, tmp_path):
+    out, result, _, _ = first
+    shutil.copytree(out, tmp_path / "out")
+    counted = Counted()
+    space = SearchSpace(max_batch_size=(8,), coarse_batch_sizes=(8,), **ONE_CORE)
+    again = search([model], SLO, PLAN, tmp_path / "out", 3600, space, counted, lambda line: None)
+    (chosen,) = again.measurements
+    (confirmation,) = again.confirmations
+    assert counted.calls == [chosen.settings] and chosen == result.measurements[0]  # the search's own, reused
+    assert confirmation.confirms and confirmation.key == chosen.key + "|confirms" and confirmation.ready_s > 0
+    assert confirmation.saturation.ok > 0 and confirmation.measured_at >= chosen.measured_at
+    assert (tmp_path / "out" / "servers" / f"{model.name}-{chosen.settings.key}-confirms").is_dir()
+    recorded = Checkpoint(tmp_path / "out")
+    assert recorded.get(chosen.key) == chosen and recorded.get(confirmation.key) == confirmation
+    assert again.best == chosen  # the generous SLO holds on the fresh server too
+
+
+def _recorded(candidate: str, p99_ms: float, max_rate: float, cores: int = 1) -> Measurement:
+    window = Window("open", SLO.rate, 1.0, 20, 20, {}, 0, 20.0, p99_ms / 2, p99_ms, cores, 1.0)
+    settings = ServingSettings(processes=cores)
+    return Measurement(candidate, f"/{candidate}", settings, SLO, cores, at_rate=(window,), p99_ms=p99_ms,
+                       max_rate=max_rate, seconds=1.0)  # fmt: skip
+
+
+class Replayed:
+    """measure() as recorded: each call answers the next figures queued for that candidate (no server)."""
+
+    def __init__(self, queued: dict[str, list[Measurement]]) -> None:
+        self.queued, self.calls = queued, []
+
+    def __call__(self, folder, settings, *args):
+        self.calls.append(folder.name)
+        return self.queued[folder.name].pop(0)
+
+
+def test_a_choice_a_fresh_run_refutes_is_set_aside_and_the_next_is_confirmed(tmp_path):
+    space = SearchSpace(max_batch_size=(8,), coarse_batch_sizes=(8,), **ONE_CORE)
+    replayed = Replayed({
+        "knee": [_recorded("knee", 100.0, 30.0), _recorded("knee", 900.0, 10.0)],  # at its knee: a fresh run misses
+        "steady": [_recorded("steady", 200.0, 40.0), _recorded("steady", 210.0, 38.0)],
+    })  # fmt: skip
+    result = search([tmp_path / "knee", tmp_path / "steady"], SLO, PLAN, tmp_path, 3600, space, replayed, print)
+    assert replayed.calls == ["knee", "steady", "knee", "steady"]
+    assert result.best.candidate == "steady" and [c.candidate for c in result.confirmations] == ["knee", "steady"]
+    assert "confirmed on a fresh server: p99 200.0 -> 210.0 (1.05 x)" in result.why
+
+
+def test_a_rate_slo_with_headroom_is_met_only_by_a_configuration_holding_the_spare_rate(tmp_path):
+    space = SearchSpace(max_batch_size=(8,), coarse_batch_sizes=(8,), **ONE_CORE)
+    slo = Slo(SLO.p99_ms, SLO.rate, headroom=0.5)  # 30 req/s to hold within the bar
+    replayed = Replayed({"tight": [_recorded("tight", 100.0, 25.0)], "spare": [_recorded("spare", 300.0, 31.0)]})
+    result = search([tmp_path / "tight", tmp_path / "spare"], slo, PLAN, tmp_path, 3600, space, replayed, print,
+                    confirm=False)  # fmt: skip
+    assert result.best.candidate == "spare" and "31 req/s held within the p99 bar (1.55 x" in result.why
+    tight = result.measurements[0]
+    assert tight.meets(SLO) and not tight.meets(slo)
 
 
 @pytest.mark.slow

@@ -69,3 +69,20 @@ def test_the_report_writes_a_serve_config_that_loads_the_winners_folder_and_the_
     assert data["winner"]["candidate"] == "b" and data["machine"]["cores"] >= 1 and data["commands"]
     assert {"frontier_p99.png", "frontier_throughput.png"} <= {p.name for p in out.iterdir()}
     assert "**Winner: b [" in report.read_text()
+
+
+def test_the_report_shows_each_fresh_runs_figures_beside_the_first_and_the_verdict(tmp_path):
+    candidates = tmp_path / "candidates"
+    (candidates / "b").mkdir(parents=True)
+    (candidates / "b" / "model.onnx").write_bytes(b"onnx")
+    slo = Slo(p99_ms=50.0, rate=20.0, headroom=0.15)
+    knee = replace(BASE, candidate="a", cores=1.0, p99_ms=30.0, max_rate=24.0)
+    steady = replace(BASE, candidate="b", p99_ms=20.0, max_rate=40.0)
+    confirmations = {knee.label: replace(knee, p99_ms=55.0, max_rate=19.0), steady.label: replace(steady, p99_ms=22.0)}
+    answer = choose([knee, steady], slo, confirmations)
+    assert answer.winner == steady and "with 15% headroom" in answer.why
+    report = write(tmp_path / "out", answer, [knee, steady], slo, ["mha-serving optimize ..."], candidates).read_text()
+    assert f"- {knee.label}: not confirmed on a fresh server: p99 30.0 -> 55.0 (1.83 x), max rate 24 -> 19" in report
+    assert f"- {steady.label}: confirmed on a fresh server: p99 20.0 -> 22.0 (1.10 x)" in report
+    data = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert data["slo"]["headroom"] == 0.15 and data["confirmations"][knee.label]["p99_ms"] == 55.0
