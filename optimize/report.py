@@ -313,13 +313,20 @@ def _plots(out: Path, points: Sequence[Point], answer: Answer) -> list[str]:
         return []
     measured = [p for p in points if not p.failure]
     written = []
-    for name, x_of, cost, x_label in (
-        ("frontier_p99.png", lambda p: p.p99_ms, lambda p: p.p99_ms, "p99 at the SLO's rate (ms)"),
+    for name, x_of, cost, x_label, why_missing in (
+        (
+            "frontier_p99.png",
+            lambda p: p.p99_ms,
+            lambda p: p.p99_ms,
+            "p99 at the SLO's rate (ms)",
+            "did not keep up with the rate",
+        ),
         (
             "frontier_throughput.png",
             lambda p: p.saturation_rps,
             lambda p: -p.saturation_rps if p.saturation_rps is not None else None,
             "saturation throughput (req/s)",
+            "no saturation window",
         ),
     ):
         shown = [p for p in measured if x_of(p) is not None]
@@ -330,7 +337,15 @@ def _plots(out: Path, points: Sequence[Point], answer: Answer) -> list[str]:
             mine = [p for p in shown if p.precision == precision]
             ax.scatter([x_of(p) for p in mine], [p.accuracy_drop or 0.0 for p in mine], label=precision)
         front = sorted(pareto(shown, cost), key=x_of)
-        ax.plot([x_of(p) for p in front], [p.accuracy_drop or 0.0 for p in front], "k--", lw=1, label="frontier")
+        ax.plot(
+            [x_of(p) for p in front],
+            [p.accuracy_drop or 0.0 for p in front],
+            "k--o",
+            lw=1,
+            mfc="none",
+            ms=11,
+            label="frontier",
+        )
         if answer.winner is not None and x_of(answer.winner) is not None:
             ax.scatter(
                 [x_of(answer.winner)],
@@ -341,6 +356,17 @@ def _plots(out: Path, points: Sequence[Point], answer: Answer) -> list[str]:
                 edgecolors="k",
                 label="winner",
                 zorder=3,
+            )
+        drops = [0.0, *(p.accuracy_drop or 0.0 for p in shown)]
+        pad = max(0.25, (max(drops) - min(drops)) * 0.1)  # no zoom into a few hundredths of a point
+        ax.set_ylim(min(drops) - pad, max(drops) + pad)
+        if len(shown) < len(measured):
+            ax.text(
+                0.01,
+                0.01,
+                f"not shown: {len(measured) - len(shown)} configuration(s), {why_missing}",
+                transform=ax.transAxes,
+                fontsize=8,
             )
         ax.set_xlabel(x_label)
         ax.set_ylabel("accuracy drop (points)")
