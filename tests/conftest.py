@@ -39,7 +39,7 @@ def _gpu_available() -> bool:
 
 
 # Files whose tests read the session Ray's metrics export (through a real Prometheus, or the load tester's own
-# scrape): they run right after the cluster test, while the export is small. Ray's agent keeps the series of every
+# scrape): the first to use the session's Ray, while the export is small. Ray's agent keeps the series of every
 # replica the session ever ran (~10,000 series, ~5 MB by the end of a full run), and a scrape late in the session
 # took 1-9 s on 2 busy cores.
 METRICS_EXPORT_FILES = {
@@ -50,16 +50,23 @@ METRICS_EXPORT_FILES = {
 }
 
 
-def _run_order(item) -> int:
+def _run_order(item, ray_files: set[Path]) -> int:
     name = item.path.name
-    return 0 if name == "test_deploy_cluster.py" else 1 if name in METRICS_EXPORT_FILES else 2
+    if name == "test_deploy_cluster.py":
+        return 0
+    if item.path not in ray_files:
+        return 1
+    return 2 if name in METRICS_EXPORT_FILES else 3
 
 
 def pytest_collection_modifyitems(config, items):
     """The multi-node cluster test runs first, before the session's own Ray starts (two Ray clusters on 2 cores
-    starve each other), then the files that scrape the session Ray's metrics export. Tests marked `gpu` need
-    onnxruntime-gpu and an NVIDIA device; skipped (saying so) otherwise."""
-    items.sort(key=_run_order)  # stable: keeps the rest in order
+    starve each other); then every file that does not use the session's Ray, so that its idle Serve applications
+    (~15 % of 2 cores) do not run beside them; then the files that scrape the session Ray's metrics export, while
+    it is small; then the rest. Tests marked `gpu` need onnxruntime-gpu and an NVIDIA device; skipped (saying so)
+    otherwise."""
+    ray_files = {item.path for item in items if "serve_port" in item.fixturenames}
+    items.sort(key=lambda item: _run_order(item, ray_files))  # stable: keeps each file's tests in order
     if _gpu_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU and onnxruntime-gpu (CUDAExecutionProvider)")
