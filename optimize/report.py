@@ -91,9 +91,9 @@ class Answer:
     confirmations: dict[str, Point] = field(default_factory=dict)
 
 
-def confirmed(first: Point, again: Point, slo: Slo) -> bool:
+def confirmed(again: Point, slo: Slo) -> bool:
     """A fresh run confirms a configuration when it meets the SLO again; the headroom is the margin it may lose."""
-    return first.label == again.label and again.meets(slo.without_headroom())
+    return again.meets(slo.without_headroom())
 
 
 def choose(points: Sequence[Point], slo: Slo, confirmations: dict[str, Point] | None = None) -> Answer:
@@ -101,7 +101,7 @@ def choose(points: Sequence[Point], slo: Slo, confirmations: dict[str, Point] | 
     a p99 bar and no rate, the most requests/s per core. A point a fresh run did not confirm never wins. Without
     one: the closest miss, and why."""
     confirmations = confirmations or {}
-    refuted = {p.label for p in points if p.label in confirmations and not confirmed(p, confirmations[p.label], slo)}
+    refuted = {label for label, again in confirmations.items() if not confirmed(again, slo)}
     meeting = [p for p in points if p.meets(slo) and p.label not in refuted]
     frontier = pareto(points, lambda p: p.p99_ms)
     if meeting:
@@ -146,14 +146,16 @@ def choose(points: Sequence[Point], slo: Slo, confirmations: dict[str, Point] | 
 
 def _capacity(p: Point, slo: Slo) -> str:
     capacity = p.capacity(slo)
-    if slo.rate is None or capacity is None:
-        return "no rate held" if slo.rate is not None else ""
+    if slo.rate is None:
+        return ""
+    if capacity is None:
+        return "no rate held"
     held = "within the p99 bar" if slo.p99_ms is not None else "at saturation"
     return f"{capacity:.0f} req/s held {held} ({capacity / slo.rate:.2f} x the SLO's rate)"
 
 
 def _confirmation(first: Point, again: Point, slo: Slo) -> str:
-    verdict = "confirmed" if confirmed(first, again, slo) else "not confirmed"
+    verdict = "confirmed" if confirmed(again, slo) else "not confirmed"
     return f"{verdict} on a fresh server: {_ratios(first, again)}"
 
 

@@ -81,7 +81,7 @@ class _Search:
         if recorded is not None:
             self.done[key] = recorded
             self.reused += 1
-            self.progress(f"{self._where()} {folder.name} [{settings.key}]: recorded, {summary(recorded)}")
+            self.progress(f"{self._where()} {folder.name} [{settings.key}]: recorded, {summary(recorded, self.slo)}")
             return
         if self.stopped_by == "budget":
             return
@@ -97,13 +97,8 @@ class _Search:
                 "no more measurements start"
             )
             return
-        workdir = self.out / SERVERS_DIR / f"{folder.name}-{settings.key}"
-        measured = self.measure(folder, settings, self.slo, self.plan, workdir, self.progress)
-        self.checkpoint.add(measured)
+        measured = self._measure(folder, settings)
         self.done[key] = measured
-        self.measured += 1
-        if not measured.failure:
-            self.costs.append(measured.seconds)
         self.progress(f"{self._where()} {folder.name} [{settings.key}]: {summary(measured, self.slo)}")
 
     def confirm_choice(self, folders: dict[str, Path]) -> None:
@@ -121,16 +116,20 @@ class _Search:
                     self.progress(f"{self._where()} no budget left to confirm {label} (~{estimate:.0f} s): unconfirmed")
                     return
                 self.progress(f"{self._where()} confirming {label} on a fresh server")
-                workdir = self.out / SERVERS_DIR / f"{winner.candidate}-{winner.settings.key}-confirms"
-                folder = folders[winner.candidate]
-                again = self.measure(folder, winner.settings, self.slo, self.plan, workdir, self.progress)
-                again = replace(again, confirms=True)
-                self.checkpoint.add(again)
-                self.measured += 1
-                if not again.failure:
-                    self.costs.append(again.seconds)
+                again = self._measure(folders[winner.candidate], winner.settings, confirms=True)
             self.confirmations[label] = again
             self.progress(f"{self._where()} {label} again: {summary(again, self.slo)}")
+
+    def _measure(self, folder: Path, settings: ServingSettings, confirms: bool = False) -> Measurement:
+        """One measurement on a server of its own, checkpointed at once and counted in this run's costs."""
+        workdir = self.out / SERVERS_DIR / f"{folder.name}-{settings.key}{'-confirms' if confirms else ''}"
+        measured = self.measure(folder, settings, self.slo, self.plan, workdir, self.progress)
+        measured = replace(measured, confirms=confirms)
+        self.checkpoint.add(measured)
+        self.measured += 1
+        if not measured.failure:
+            self.costs.append(measured.seconds)
+        return measured
 
     def _estimate(self) -> float:
         """Seconds one more measurement will take: the mean of this run's, or the plan's estimate before any."""
