@@ -16,10 +16,11 @@ import numpy as np
 import pytest
 
 from benchmarks.scale.figures import merged, percentile_ms, shares, summary
-from benchmarks.scale.levels import default_processes, parse_precisions, parse_processes, plan
+from benchmarks.scale.levels import default_processes, parse_precisions, parse_processes, parse_variant, plan
 from benchmarks.scale.loops import Outcome, Tally, content_length, served_by
 from benchmarks.scale.report import row_line, table
 from benchmarks.scale.sample import GpuSampler, machine_ticks
+from benchmarks.scale.servers import serve_level
 from benchmarks.scale.verdict import verdict
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,6 +49,31 @@ def test_precisions_keep_their_order_and_fp16_needs_the_gpu():
 def test_a_plan_is_every_precision_at_every_count_and_a_level_has_one_label():
     levels = plan(["int8", "fp32"], [2, 1])
     assert [x.label for x in levels] == ["int8 x1", "int8 x2", "fp32 x1", "fp32 x2"]
+
+
+def test_a_variant_is_a_name_and_model_settings_the_service_accepts():
+    assert parse_variant("block: gpu_wait=block, inline_on_gpu=true") == (
+        "block",
+        {"gpu_wait": "block", "inline_on_gpu": "true"},
+    )
+    assert parse_variant("defaults:") == ("defaults", {})
+    for bad, why in [
+        ("block", "NAME:KEY=VALUE"),
+        ("a b:gpu_wait=block", "without spaces"),
+        ("x:gpu_wait", "not KEY=VALUE"),
+        ("x:gpu_wait=fast", "gpu_wait: Input should be"),
+        ("x:no_such=1", "no_such: Extra inputs"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            parse_variant(bad)
+
+
+def test_variants_are_levels_of_their_own_beside_the_defaults_and_their_servers_get_the_settings(tmp_path):
+    levels = plan(["fp16"], [2, 1], ["", "block"])
+    assert [x.label for x in levels] == ["fp16 x1", "fp16 x2", "fp16 x1 block", "fp16 x2 block"]
+    server = serve_level(tmp_path, "m", "gpu", 2, {"gpu_wait": "block"})
+    assert server.config["deployment"] == {"gpu_wait": "block", "placement": "colocated"}
+    assert serve_level(tmp_path, "m", "cpu", 1).config["deployment"] == {"placement": "colocated"}
 
 
 def test_a_head_names_its_serving_process_and_length_whatever_the_case():
@@ -152,11 +178,28 @@ def test_the_gpu_lines_are_judged_at_each_precisions_saturation():
     rows = summary(levels, got, bare)
     facts = {"backend": "gpu", "model": (8, 512), "precisions": ["fp32", "fp16"], "processes": [1, 2], "cores": 16}
     lines = {x.name: x for x in verdict(rows, got, {**facts, "connections": 128})}
-    assert lines["h8 d512 fp16 rate"].ok and lines["h8 d512 fp16 rate"].measured == "26,500 req/s at x2"
+    assert lines["h8 d512 fp16 rate"].ok and lines["h8 d512 fp16 rate"].measured == "26,500 req/s at fp16 x2"
     assert lines["fp16 over fp32"].ok and lines["fp16 over fp32"].measured == "1.40 x (fp16 x2 over fp32 x2)"
     assert lines["c=1 p50 against bare"].ok and "+0.30" in lines["c=1 p50 against bare"].measured
     assert lines["GPU busy"].ok and lines["GPU busy"].measured == "65 % at fp16 x2"
     assert "65 %" in row_line("fp16 x2", rows["fp16 x2"])
+
+
+def test_a_variant_is_set_against_its_own_fewest_processes_and_the_bar_names_the_level_it_was_met_at():
+    levels = plan(["fp16"], [1, 2], ["", "block"])
+    got = {
+        "fp16 x1": _level([10_000.0, 10_000.0], [1.2, 1.2], {"a": 1}, busy=20.0),
+        "fp16 x2": _level([20_000.0, 20_000.0], [1.2, 1.2], {"a": 1}, busy=40.0),
+        "fp16 x1 block": _level([5_000.0, 5_000.0], [1.1, 1.1], {"a": 1}, busy=20.0),
+        "fp16 x2 block": _level([26_000.0, 26_000.0], [1.1, 1.1], {"a": 1}, busy=70.0),
+    }
+    rows = summary(levels, got, {"fp16": _bare([100_000.0, 100_000.0], [0.5, 0.5])})
+    assert rows["fp16 x2 block"]["over_fewest"] == pytest.approx(5.2)  # over fp16 x1 block, not fp16 x1
+    assert rows["fp16 x2"]["over_fewest"] == pytest.approx(2.0) and rows["fp16 x2 block"]["variant"] == "block"
+    facts = {"backend": "gpu", "model": (8, 512), "precisions": ["fp16"], "processes": [1, 2], "cores": 16}
+    lines = {x.name: x for x in verdict(rows, got, {**facts, "connections": 128})}
+    assert lines["h8 d512 fp16 rate"].measured == "26,000 req/s at fp16 x2 block" and lines["h8 d512 fp16 rate"].ok
+    assert lines["GPU busy"].measured == "70 % at fp16 x2 block"
 
 
 def test_grpc_answers_name_no_process_and_no_gpu_reads_na():

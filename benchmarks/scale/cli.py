@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import signal
 import sys
@@ -15,13 +16,20 @@ from benchmarks.models import MODELS, ensure_model, ensure_variant
 from benchmarks.scale import bare as bare_ort
 from benchmarks.scale.clients import ClientPool
 from benchmarks.scale.figures import summary
-from benchmarks.scale.levels import Level, default_processes, parse_precisions, parse_processes, plan
+from benchmarks.scale.levels import (
+    Level,
+    default_processes,
+    parse_precisions,
+    parse_processes,
+    parse_variant,
+    plan,
+)
 from benchmarks.scale.report import plot, printed, write_json
 from benchmarks.scale.sample import GpuSampler
 from benchmarks.scale.servers import level_sides, serve_level, start_all, started, stop_all
 from benchmarks.scale.verdict import verdict
 from benchmarks.serving.rounds import Side, interleaved, joined, rounds
-from contract.metadata import MODEL_FILE
+from contract.metadata import CONFIG_FILE, MODEL_FILE
 
 
 def parse_args(argv: list[str] | None, cores: int) -> argparse.Namespace:
@@ -46,12 +54,23 @@ def parse_args(argv: list[str] | None, cores: int) -> argparse.Namespace:
     p.add_argument("--body", choices=("json", "binary"), default="json", help="HTTP's request body (default: json)")
     p.add_argument("--seconds", type=float, default=5.0, help="per figure per round (default: 5)")
     p.add_argument("--rounds", type=int, default=3, help="rounds, the levels interleaved in each (default: 3)")
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+        help="also serve every level with these model settings changed (service/config.py DeploymentSettings, e.g. "
+        "block:gpu_wait=block), in the same rounds as the defaults; repeatable",
+    )
     p.add_argument("--json", type=Path, help="also write every figure here")
     p.add_argument("--plot", type=Path, help="also draw requests/s against processes here (PNG)")
     args = p.parse_args(argv)
     try:
         args.processes = parse_processes(args.processes)
         args.precision = parse_precisions(args.precision, args.backend)
+        args.variants = dict(parse_variant(text) for text in args.variant)
+        if len(args.variants) < len(args.variant):
+            raise ValueError("--variant: each needs a name of its own")
     except ValueError as exc:
         p.error(str(exc))
     if args.rounds < 1 or args.seconds <= 0 or args.clients < 1 or args.concurrency < 1:
@@ -73,7 +92,10 @@ def model_names(args) -> dict[str, str]:
 def start_servers(stack: contextlib.ExitStack, idle: contextlib.ExitStack, levels: list[Level], names, args):
     """Every level's server, started together, paused (until `idle` closes), each continued in turn while it is
     warmed up."""
-    servers = {x.label: serve_level(args.models, names[x.precision], args.backend, x.processes) for x in levels}
+    servers = {
+        x.label: serve_level(args.models, names[x.precision], args.backend, x.processes, args.variants.get(x.variant))
+        for x in levels
+    }
     print(
         f"mha-serving serve --processes {','.join(str(x.processes) for x in levels)} --backend {args.backend}...",
         flush=True,
@@ -140,12 +162,13 @@ def announced(sides: dict[str, Side]) -> dict[str, Side]:
     return {label: (printing(label, measure), server) for label, (measure, server) in sides.items()}
 
 
-def facts_of(args, cores: int) -> dict:
-    """What the bar's lines and the report need to know of the run."""
-    model = MODELS.get(args.model)  # (d_model, heads, layers) of small and default; another model: None
+def facts_of(args, cores: int, names: dict[str, str]) -> dict:
+    """What the bar's lines and the report need to know of the run; the model by its shape, as its folder says
+    (`--model default` and `--model mha-h8-d512` are the same model)."""
+    config = json.loads((args.models / next(iter(names.values())) / CONFIG_FILE).read_text())
     return {
         "backend": args.backend,
-        "model": (model[1], model[0]) if model else None,
+        "model": (config["heads"], config["d_model"]),
         "precisions": args.precision,
         "processes": args.processes,
         "cores": cores,
@@ -158,14 +181,14 @@ def main(argv: list[str] | None = None) -> int:
     cores = len(os.sched_getaffinity(0))
     args = parse_args(argv, cores)
     names = model_names(args)
-    levels = plan(args.precision, args.processes)
+    levels = plan(args.precision, args.processes, ["", *args.variants])
     if (run := measured(args, cores, names, levels)) is None:
         return 1
     scans, got, info = run
     bare = {p: {"scan": scans[p], **joined(got, f"bare {p}")} for p in names}
     by_level = {level.label: joined(got, level.label) for level in levels}
     rows = summary(levels, by_level, bare)
-    facts = facts_of(args, cores)
+    facts = facts_of(args, cores, names)
     lines = verdict(rows, by_level, facts)
     printed(bare, rows, lines, facts)
     if args.json:

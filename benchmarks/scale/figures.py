@@ -55,8 +55,8 @@ def summary(levels: list[Level], got: dict[str, dict], bare: dict[str, dict]) ->
     out = {}
     for level in levels:
         run, ref = got[level.label], bare[level.precision]
-        fewest = min(x.processes for x in levels if x.precision == level.precision)
-        base = got[Level(level.precision, fewest).label]
+        fewest = min(x.processes for x in levels if (x.precision, x.variant) == (level.precision, level.variant))
+        base = got[Level(level.precision, fewest, level.variant).label]
         counts = sum((Counter(r.get("served_by", {})) for r in run["rounds"]), Counter())
         per_pid: dict[str, list[float]] = {}
         for r in run["rounds"]:
@@ -70,6 +70,7 @@ def summary(levels: list[Level], got: dict[str, dict], bare: dict[str, dict]) ->
         row |= {
             "precision": level.precision,
             "processes": level.processes,
+            "variant": level.variant,
             "over_bare": median(over_bare),
             "over_fewest": median(over_fewest),
             "over_fewest_rounds": over_fewest,
@@ -90,6 +91,10 @@ def best(rows: dict[str, dict], precision: str) -> dict | None:
     """The row of `precision` with the highest rate: the level at saturation."""
     mine = [row for row in rows.values() if row["precision"] == precision]
     return max(mine, key=lambda row: row["rate"]) if mine else None
+
+
+def level_of(row: dict) -> Level:
+    return Level(row["precision"], row["processes"], row.get("variant", ""))
 
 
 def pair_ratio(got: dict[str, dict], a: Level, b: Level) -> float:

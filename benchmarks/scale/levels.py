@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pydantic import ValidationError
+
+from service.config import DeploymentSettings
+
 PRECISIONS = ("fp32", "int8", "fp16")
 
 
@@ -11,11 +15,33 @@ PRECISIONS = ("fp32", "int8", "fp16")
 class Level:
     precision: str
     processes: int
+    variant: str = ""  # the name of a --variant (settings changed from the defaults); "": the defaults
 
     @property
     def label(self) -> str:
         """One spelling for a level: its sides, its server and its row are named by it."""
-        return f"{self.precision} x{self.processes}"
+        return f"{self.precision} x{self.processes}" + (f" {self.variant}" if self.variant else "")
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, str]]:
+    """ "block:gpu_wait=block,inline_on_gpu=true" -> ("block", {"gpu_wait": "block", "inline_on_gpu": "true"}): a
+    name and the model settings (service/config.py DeploymentSettings) its levels' servers change; ValueError for a
+    malformed one, or a setting the service would refuse (its own check, the one its config file gets)."""
+    name, sep, rest = text.partition(":")
+    if not sep or not name.strip() or " " in name.strip():
+        raise ValueError(f"--variant: {text!r} is not NAME:KEY=VALUE[,KEY=VALUE...] (NAME without spaces)")
+    settings = {}
+    for item in filter(None, (part.strip() for part in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"--variant {name}: {item!r} is not KEY=VALUE")
+        settings[key.strip()] = value.strip()
+    try:
+        DeploymentSettings.model_validate(settings)
+    except ValidationError as exc:
+        why = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise ValueError(f"--variant {name}: {why}") from None
+    return name.strip(), settings
 
 
 def default_processes(cores: int) -> list[int]:
@@ -55,6 +81,7 @@ def parse_precisions(text: str, backend: str) -> list[str]:
     return out
 
 
-def plan(precisions: list[str], processes: list[int]) -> list[Level]:
-    """Every precision at every process count, fewest processes first within a precision."""
-    return [Level(p, n) for p in precisions for n in sorted(processes)]
+def plan(precisions: list[str], processes: list[int], variants: list[str] | None = None) -> list[Level]:
+    """Every precision at every process count in every variant ("": the defaults), fewest processes first within
+    a precision and variant."""
+    return [Level(p, n, v) for p in precisions for v in variants or [""] for n in sorted(processes)]

@@ -90,7 +90,7 @@ def write_json(path: Path, report: dict) -> None:
 
 
 def plot(path: Path, rows: dict[str, dict]) -> None:
-    """Requests/s against serving processes, a line per precision, bare ORT's batched rate dashed."""
+    """Requests/s against serving processes, a line per precision and variant, bare ORT's batched rate dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -98,8 +98,10 @@ def plot(path: Path, rows: dict[str, dict]) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for precision in dict.fromkeys(row["precision"] for row in rows.values()):
-        mine = [row for row in rows.values() if row["precision"] == precision]
-        line = ax.plot([r["processes"] for r in mine], [r["rate"] for r in mine], "o-", label=f"served {precision}")
+        for variant in dict.fromkeys(r.get("variant", "") for r in rows.values() if r["precision"] == precision):
+            mine = [r for r in rows.values() if r["precision"] == precision and r.get("variant", "") == variant]
+            served = f"served {precision}" + (f" {variant}" if variant else "")
+            line = ax.plot([r["processes"] for r in mine], [r["rate"] for r in mine], "o-", label=served)
         ax.axhline(mine[0]["bare_rate"], ls="--", color=line[0].get_color(), label=f"bare ORT {precision}")
     ax.set_xscale("log", base=2)
     counts = sorted({row["processes"] for row in rows.values()})

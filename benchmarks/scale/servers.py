@@ -24,13 +24,16 @@ from service.ingress import SERVED_BY
 START_TIMEOUT_S = 300  # N processes each loading the model (on the GPU, each its own CUDA context)
 
 
-def serve_level(models_dir: Path, name: str, backend: str, processes: int) -> ServerProcess:
-    """The level's server (not yet entered): the model co-located in each of `processes` serving processes."""
+def serve_level(
+    models_dir: Path, name: str, backend: str, processes: int, settings: dict[str, str] | None = None
+) -> ServerProcess:
+    """The level's server (not yet entered): the model co-located in each of `processes` serving processes, with
+    its variant's model `settings`."""
     config = {
         "models_dir": str(models_dir.resolve()),
         "models": [name],
         "backend": backend,
-        "deployment": {"placement": "colocated"},
+        "deployment": {**(settings or {}), "placement": "colocated"},
     }
     args = ["--processes", str(processes), "--backend", backend]
     return ServerProcess(config, extra_args=args, timeout_s=START_TIMEOUT_S)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from benchmarks.scale.figures import best, pair_ratio
+from benchmarks.scale.figures import best, level_of, pair_ratio
 from benchmarks.scale.levels import Level
 
 NODE_RATE = 25_000  # requests/s, h8 d512 fp16, one sequence per request, on the GPU machine
@@ -44,18 +44,16 @@ def _gpu_lines(rows: dict, got: dict, facts: dict) -> list[BarLine]:
     lines = []
     if facts["model"] == NODE_MODEL and "fp16" in precisions:
         ok = top["rate"] >= NODE_RATE
-        lines.append(BarLine(names[0], bars[0], f"{top['rate']:,.0f} req/s at x{top['processes']}", ok))
+        lines.append(BarLine(names[0], bars[0], f"{top['rate']:,.0f} req/s at {level_of(top).label}", ok))
     else:
         lines.append(BarLine(names[0], bars[0], why_not="needs --model default --precision fp16"))
     extra = top["c1_minus_bare_ms"]
-    measured = (
-        f"{top['c1_p50_ms']:.2f} ms against {top['bare_p50_ms']:.2f} ms (+{extra:.2f}) at {node} x{top['processes']}"
-    )
+    measured = f"{top['c1_p50_ms']:.2f} ms against {top['bare_p50_ms']:.2f} ms (+{extra:.2f}) at {level_of(top).label}"
     lines.append(BarLine(names[1], bars[1], measured, extra <= C1_ALLOWANCE_MS))
     if {"fp16", "fp32"} <= set(precisions):
         a, b = best(rows, "fp16"), best(rows, "fp32")
-        ratio = pair_ratio(got, Level("fp16", a["processes"]), Level("fp32", b["processes"]))
-        measured = f"{ratio:.2f} x (fp16 x{a['processes']} over fp32 x{b['processes']})"
+        ratio = pair_ratio(got, level_of(a), level_of(b))
+        measured = f"{ratio:.2f} x ({level_of(a).label} over {level_of(b).label})"
         lines.append(BarLine(names[2], bars[2], measured, ratio >= FP16_OVER_FP32))
     else:
         lines.append(BarLine(names[2], bars[2], why_not="needs --precision fp32,fp16"))
@@ -63,7 +61,7 @@ def _gpu_lines(rows: dict, got: dict, facts: dict) -> list[BarLine]:
     if busy is None or busy != busy:  # no nvidia-smi, or no sample in the windows
         lines.append(BarLine(names[3], bars[3], why_not="no nvidia-smi samples"))
     else:
-        lines.append(BarLine(names[3], bars[3], f"{busy:.0f} % at {node} x{top['processes']}", busy >= GPU_BUSY_PCT))
+        lines.append(BarLine(names[3], bars[3], f"{busy:.0f} % at {level_of(top).label}", busy >= GPU_BUSY_PCT))
     return lines
 
 
