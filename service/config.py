@@ -89,6 +89,10 @@ class DeploymentSettings(BaseModel):
         "each parallel section wakes them), always (ORT's default: spin on after a run too, taking CPU the HTTP side "
         "needs); true/false mean always/off",
     )
+    gpu_wait: Literal["auto", "spin", "yield", "block"] = Field(
+        "auto", description="how a process waits for its GPU runs: CUDA's scheduling flag (service/cuda_wait.py)"
+    )
+    inline_on_gpu: bool = Field(False, description="lone requests inline (inline_run_max_ms) on the GPU too")
     health_check_period_s: float = Field(
         HEALTH_CHECK_PERIOD_S, gt=0, description="how often Serve checks each replica: a crashed one is replaced then"
     )

@@ -47,6 +47,8 @@ class EngineSettings:
     spinning: str = "run"  # what ORT's waiting intra-op threads do: run, off or always (service/runtime.py)
     light_threads: int | None = None  # ORT threads for a model under LIGHT_MODEL_FLOPS on CPU; None: `threads`
     runs: int | None = None  # ORT runs in flight at once; None: one per intra-op thread on CPU, one on GPU
+    gpu_wait: str = "auto"  # how this process waits for its GPU runs (service/cuda_wait.py)
+    inline_on_gpu: bool = False  # a lone request may run inline on the GPU too
 
     @classmethod
     def of(cls, settings: DeploymentSettings, backend: str, placement: str, processes: int = 1) -> EngineSettings:
@@ -65,6 +67,8 @@ class EngineSettings:
             settings.ort_spinning,
             settings.light_model_threads,
             settings.max_concurrent_batches,
+            settings.gpu_wait,
+            settings.inline_on_gpu,
         )
 
     def threads_for(self, meta: ModelMetadata, backend: str) -> int:
@@ -75,9 +79,9 @@ class EngineSettings:
 
     def policy_for(self, threads: int, backend: str) -> BatchPolicy:
         """The batch policy once the model's threads and active backend are known: how many runs may be in flight,
-        and whether a short lone request may run on the event loop (on CPU: measured there only)."""
+        and whether a short lone request may run on the event loop (on the GPU only when asked: measured on CPU)."""
         runs = self.runs or (threads if backend == "cpu" else 1)
-        inline = self.policy.inline_max_s if backend == "cpu" else 0.0
+        inline = self.policy.inline_max_s if backend == "cpu" or self.inline_on_gpu else 0.0
         return dataclasses.replace(self.policy, max_runs=runs, inline_max_s=inline)
 
 
@@ -101,9 +105,10 @@ class ModelEngine:
         self._runtime: Runtime | None = None
         self._error = ""
         try:
-            rt = load_runtime(models_dir, name, settings.backend, settings.threads, settings.spinning)
+            args = (settings.spinning, settings.gpu_wait)
+            rt = load_runtime(models_dir, name, settings.backend, settings.threads, *args)
             if (threads := settings.threads_for(rt.meta, rt.backend)) != rt.threads:  # a light model: opened again
-                rt = load_runtime(models_dir, name, settings.backend, threads, settings.spinning)
+                rt = load_runtime(models_dir, name, settings.backend, threads, *args)
             self._runtime = rt
         except ModelFileError as exc:  # BackendError is not caught: whoever holds the engine fails, saying why
             self._error = str(exc)

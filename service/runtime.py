@@ -14,6 +14,7 @@ import numpy as np
 import onnxruntime as ort
 
 from contract.metadata import ATTENTION_MASK, INPUT_IDS, LOGITS, ModelMetadata
+from service.cuda_wait import set_gpu_wait
 from service.errors import BackendError, ModelFileError
 from service.model_store import check_contract, model_file, without_paths
 
@@ -114,11 +115,16 @@ def preload_cuda_libraries() -> None:
             preload()
 
 
-def load_runtime(models_dir: str | Path, name: str, backend: str, threads: int, spinning: str = "always") -> Runtime:
-    """Open `models_dir/name/model.onnx` on the requested backend; ModelFileError or BackendError say why not."""
+def load_runtime(
+    models_dir: str | Path, name: str, backend: str, threads: int, spinning: str = "always", gpu_wait: str = "auto"
+) -> Runtime:
+    """Open `models_dir/name/model.onnx` on the requested backend; ModelFileError or BackendError say why not.
+    `gpu_wait`: how this process waits for the GPU (service/cuda_wait.py), set before the first CUDA session."""
     providers, reason = plan_providers(backend)
     if providers[0] == CUDA:
         preload_cuda_libraries()
+        if gpu_wait != "auto":
+            reason = f"{reason}; {set_gpu_wait(gpu_wait)}"
     path = model_file(models_dir, name)
     try:
         session = ort.InferenceSession(str(path), sess_options=session_options(threads, spinning), providers=providers)

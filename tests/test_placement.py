@@ -130,6 +130,18 @@ def test_a_light_model_on_cpu_runs_on_the_light_thread_count_and_a_heavy_one_on_
     assert EngineSettings("auto", 4, BatchPolicy()).threads_for(small, "cpu") == 4  # light_threads None: no rule
 
 
+def test_lone_runs_are_inline_on_the_gpu_only_when_asked_and_gpu_settings_reach_the_engine():
+    policy = BatchPolicy(inline_max_s=0.02)
+    plain = EngineSettings("gpu", 1, policy)
+    assert plain.policy_for(1, "cpu").inline_max_s == 0.02 and plain.policy_for(1, "gpu").inline_max_s == 0.0
+    asked = EngineSettings("gpu", 1, policy, inline_on_gpu=True)
+    assert asked.policy_for(1, "gpu").inline_max_s == 0.02 and asked.policy_for(1, "gpu").max_runs == 1
+    settings = AppConfig(deployment={"gpu_wait": "block", "inline_on_gpu": True}).deployment
+    engine = EngineSettings.of(settings, "gpu", "colocated")
+    assert (engine.gpu_wait, engine.inline_on_gpu) == ("block", True)
+    assert EngineSettings.of(AppConfig().deployment, "gpu", "colocated").gpu_wait == "auto"
+
+
 def test_ingress_autoscaling_becomes_serve_autoscaling_options():
     config = AppConfig(ingress={"autoscaling": {"min_replicas": 2, "max_replicas": 6}})
     options = config.ingress.scaling()
