@@ -1,0 +1,164 @@
+"""`python -m benchmarks.cluster_ingress`: a cluster node's way in, Serve's Python proxy against Serve's HAProxy
+ingress (`RAY_SERVE_ENABLE_HA_PROXY=1`: HAProxy on the node's HTTP and gRPC ports, forwarding to the ingress replicas'
+own direct-ingress servers), in alternating rounds. Each is a one-node Ray cluster on this machine, started as
+KubeRay starts its pods and deployed from deploy/serve_config.yaml with the small model co-located in `--replicas`
+ingress replicas; the cluster not measured is paused. Which process holds each cluster's HTTP port is checked first:
+HAProxy must have engaged (a Ray release without it fails the run, saying so)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.harness.cluster import LocalCluster, head_only_config
+from benchmarks.harness.polling import until
+from benchmarks.harness.processes import command_line, paused
+from benchmarks.harness.sockets import tcp_sockets
+from benchmarks.models import MODELS, ensure_model
+from benchmarks.scale.clients import ClientPool
+from benchmarks.scale.figures import merged
+
+MODES = {"serve proxy": {}, "haproxy": {"RAY_SERVE_ENABLE_HA_PROXY": "1"}}
+PROTOCOLS = ("http", "grpc")
+WARMUP_S = 1.0
+
+
+def config(cluster: LocalCluster, models_dir: Path, name: str, replicas: int) -> dict:
+    """deploy/serve_config.yaml with the small model co-located (a CPU head configuration's settings) in a fixed
+    number of ingress replicas on this node, its proxy on this cluster's loopback ports."""
+    out = head_only_config(cluster.http_port, cluster.grpc_port)
+    (app,) = out["applications"]
+    args = app["args"]
+    args["models_dir"] = str(models_dir.resolve())
+    args["models"] = [name]
+    args["overrides"] = {name: {**args["overrides"]["mha-h1-d512"], "intra_op_threads": 1}}
+    ingress = {k: v for k, v in args["ingress"].items() if k != "autoscaling"}
+    args["ingress"] = {**ingress, "num_replicas": replicas, "num_cpus": 0.5}
+    return out
+
+
+def holder(cluster: LocalCluster, port: int) -> str:
+    """The command of the process listening on `port` among the cluster's ("" if none yet)."""
+    pids = sorted({p for node in cluster.nodes for p in cluster.processes(node)})
+    return next((command_line(s.pid) for s in tcp_sockets(pids) if s.listening and s.port == port), "")
+
+
+def started(mode: str, root: Path, models_dir: Path, name: str, replicas: int) -> LocalCluster:
+    cluster = LocalCluster(root / mode.replace(" ", "-"), extra_env=MODES[mode])
+    cluster.root.mkdir(parents=True)
+    cluster.start("head", cpus=max(4, replicas), gpus=0, head=True)
+    until(f"{mode}: the head's dashboard", cluster.alive_nodes, 180, every_s=1)
+    deploy = cluster.deploy(config(cluster, models_dir, name, replicas))
+    if deploy.returncode != 0:
+        raise RuntimeError(f"{mode}: serve deploy failed: {deploy.stderr[-2000:]}")
+    until(f"{mode}: {replicas} ingress replicas running", lambda: _running(cluster) >= replicas, 240, every_s=2)
+    until(f"{mode}: the HTTP port answering", lambda: holder(cluster, cluster.http_port), 120, every_s=1)
+    return cluster
+
+
+def _running(cluster: LocalCluster) -> int:
+    with contextlib.suppress(Exception):  # the application may not be listed yet
+        return len(cluster.replicas("mha").get("ingress", []))
+    return 0
+
+
+def engaged(clusters: dict[str, LocalCluster]) -> dict[str, str]:
+    """mode -> the program holding its HTTP port; RuntimeError where HAProxy should hold it and does not."""
+    out = {mode: holder(cluster, cluster.http_port) for mode, cluster in clusters.items()}
+    if "haproxy" not in out["haproxy"].split()[0]:
+        raise RuntimeError(f"RAY_SERVE_ENABLE_HA_PROXY=1 did not engage: port held by {out['haproxy']!r}")
+    if "haproxy" in out["serve proxy"].split()[0]:
+        raise RuntimeError("the Serve proxy cluster is served by HAProxy too: is RAY_SERVE_ENABLE_HA_PROXY set here?")
+    return out
+
+
+def window(pool: ClientPool, cluster: LocalCluster, protocol: str, name: str, connections: int, seconds: float):
+    port = cluster.http_port if protocol == "http" else cluster.grpc_port
+    commands, _, deadline = pool.window(protocol, port, name, "binary", connections, seconds, WARMUP_S)
+    pool.send(commands)
+    return merged(pool.collect(len(commands), deadline), seconds)
+
+
+def measure(clusters: dict[str, LocalCluster], name: str, args) -> list[dict]:
+    """Rounds: every mode and protocol once per round, the modes' order reversed every other round, the other
+    cluster paused."""
+    rounds = []
+    with ClientPool(1) as pool:
+        for r in range(args.rounds):
+            got: dict = {}
+            for mode in list(clusters)[:: 1 if r % 2 == 0 else -1]:
+                others = [p for m, c in clusters.items() if m != mode for node in c.nodes for p in c.processes(node)]
+                with paused(others):
+                    time.sleep(0.5)
+                    for protocol in PROTOCOLS:
+                        w = window(pool, clusters[mode], protocol, name, args.concurrency, args.seconds)
+                        got[f"{mode} {protocol}"] = w
+                        print(f"  round {r + 1}, {mode}, {protocol}: {w['rate']:,.0f} req/s, p50 {w['p50_ms']:.1f} "
+                              f"ms, {w['errors']} errors", flush=True)  # fmt: skip
+            rounds.append(got)
+    return rounds
+
+
+def report(rounds: list[dict], holders: dict[str, str], args) -> dict:
+    out = {"settings": {k: str(v) for k, v in vars(args).items()}, "holders": holders, "rounds": rounds}
+    print(f"\nmedians of {args.rounds} rounds of {args.seconds:g} s, c={args.concurrency}, {args.replicas} replicas")
+    print("| way in | serve proxy req/s | haproxy req/s | haproxy / proxy (rounds) | p50 ms proxy / haproxy |")
+    print("| --- | --- | --- | --- | --- |")
+    for protocol in PROTOCOLS:
+        a = [r[f"serve proxy {protocol}"] for r in rounds]
+        b = [r[f"haproxy {protocol}"] for r in rounds]
+        ratios = [y["rate"] / x["rate"] if x["rate"] else float("nan") for x, y in zip(a, b, strict=True)]
+        out[protocol] = {"ratio": float(np.median(ratios)), "ratios": ratios}
+        print(
+            f"| {protocol} | {np.median([w['rate'] for w in a]):,.0f} | {np.median([w['rate'] for w in b]):,.0f} | "
+            f"{np.median(ratios):.2f} ({' '.join(f'{x:.2f}' for x in ratios)}) | "
+            f"{np.median([w['p50_ms'] for w in a]):.1f} / {np.median([w['p50_ms'] for w in b]):.1f} |"
+        )
+    print("port holders: " + "; ".join(f"{m}: {h.split()[0]}" for m, h in holders.items()))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.cluster_ingress", description=__doc__.splitlines()[0])
+    p.add_argument("--models", type=Path, default=Path("runs/bench-models"), help="where the models live")
+    p.add_argument("--replicas", type=int, default=2, help="ingress replicas on the node (default: 2)")
+    p.add_argument("--concurrency", type=int, default=32, help="connections (default: 32)")
+    p.add_argument("--seconds", type=float, default=6.0, help="per window (default: 6)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--json", type=Path, help="also write every figure here")
+    args = p.parse_args(argv)
+    if min(args.replicas, args.concurrency, args.rounds) < 1 or args.seconds <= 0:
+        p.error("--replicas, --concurrency and --rounds must be at least 1 and --seconds above 0")
+    d_model, heads, layers = MODELS["small"]
+    name = ensure_model(args.models, heads, d_model, layers)
+    root = Path(tempfile.mkdtemp(prefix="ci-", dir="/tmp"))  # short: Ray's socket paths live under it
+    clusters: dict[str, LocalCluster] = {}
+    try:
+        for mode in MODES:
+            print(f"{mode}: a one-node cluster, {args.replicas} ingress replicas...", flush=True)
+            clusters[mode] = started(mode, root, args.models, name, args.replicas)
+        holders = engaged(clusters)
+        found = report(measure(clusters, name, args), holders, args)
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(found, indent=1, default=str))
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"python -m benchmarks.cluster_ingress: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        for cluster in clusters.values():
+            cluster.stop()
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
