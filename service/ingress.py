@@ -16,7 +16,7 @@ from service.coalescer import Coalescer
 from service.config import AppConfig
 from service.dataplane import DataPlane
 from service.engine import EngineSettings, ModelEngine
-from service.http.api import create_app
+from service.http.api import InferenceFirst, create_app
 from service.http.server import HttpServer
 from service.placement import Colocated, ModelPlacement, Remote
 from service.repository import Repository
@@ -69,7 +69,7 @@ class Ingress:
         if ingress.port is not None:  # bound once the co-located models are loaded: no connection meets a loading one
             served_by = [(SERVED_BY, context.replica_tag)]
             self._server = HttpServer(
-                self._app,
+                InferenceFirst(self._app, self.plane),
                 ingress.host,
                 ingress.port,
                 limits,

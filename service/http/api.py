@@ -4,6 +4,7 @@ one mapping of errors to responses; request limits as middleware. No torch.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +23,7 @@ from service.errors import ServiceError
 from service.http import inference, openapi_doc
 from service.http import repository as http_repository
 from service.http.inference import describe_errors
-from service.http.limits import RequestLimitsMiddleware
+from service.http.limits import RequestLimitsMiddleware, over_limits
 from service.protocol import simple, v2
 from service.repository import Repository
 from service.responses import error_response, json_response
@@ -105,6 +106,35 @@ INFERENCE_ROUTES = (
         simple.PredictResponse,
     ),
 )
+
+
+class InferenceFirst:
+    """The ingress's own server's application: INFERENCE_ROUTES answered ahead of FastAPI's middleware stack and
+    router (the six layers each request otherwise crosses), with the same limits check, handlers and error mapping;
+    every other request, and any other method on these paths, goes to `app`."""
+
+    def __init__(self, app: FastAPI, plane: DataPlane) -> None:
+        self.app, self.plane = app, plane
+        self._routes = [(re.compile(re.sub(r"{(\w+)}", r"(?P<\1>[^/]+)", r.path)), r.handle) for r in INFERENCE_ROUTES]
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            for pattern, handle in self._routes:
+                if (match := pattern.fullmatch(scope["path"])) is not None:
+                    return await self._answer(handle, match.groupdict(), scope, receive, send)
+        await self.app(scope, receive, send)
+
+    async def _answer(self, handle, path: dict[str, str], scope, receive, send) -> None:
+        if (refusal := over_limits(scope, self.plane.limits)) is not None:
+            return await error_response(refusal)(scope, receive, send)
+        try:
+            response = await handle(self.plane, Request(scope, receive, send), path)
+        except Exception as exc:
+            await error_response(exc)(scope, receive, send)
+            if isinstance(exc, ServiceError):
+                return
+            raise  # a 500, as Starlette's outermost middleware does: answered, then the server logs it and closes
+        await response(scope, receive, send)
 
 
 def _inference_routes(app: FastAPI, plane: DataPlane) -> None:
