@@ -191,9 +191,13 @@ def test_the_server_leaves_the_processs_signal_handlers_alone_and_refuses_a_take
     assert "the ingress cannot listen on 127.0.0.1:" in message
 
 
-async def _until_closed(reader: asyncio.StreamReader, within_s: float) -> tuple[bytes, float]:
-    """Everything the server sends until it closes the connection, and the seconds that took."""
-    start = time.perf_counter()
+async def _until_closed(
+    reader: asyncio.StreamReader, within_s: float, start: float | None = None
+) -> tuple[bytes, float]:
+    """Everything the server sends until it closes the connection, and the seconds that took from `start` (a
+    perf_counter() taken before the connection was opened, where the server's clock starts at its accept; now if
+    None)."""
+    start = time.perf_counter() if start is None else start
     answer = b""
     while chunk := await asyncio.wait_for(reader.read(65536), within_s):
         answer += chunk
@@ -203,6 +207,7 @@ async def _until_closed(reader: asyncio.StreamReader, within_s: float) -> tuple[
 def test_a_trickled_head_is_cut_at_header_timeout_s_with_a_json_408_and_counted():
     async def scenario() -> tuple[bytes, float, int]:
         server, port = await _serve(_ok, header_timeout_s=1.0)
+        opened = time.perf_counter()
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"GET / HTTP/1.1\r\n")
 
@@ -212,7 +217,7 @@ def test_a_trickled_head_is_cut_at_header_timeout_s_with_a_json_408_and_counted(
                 writer.write(b"X-Slow-%d: v\r\n" % i)
 
         trickling = asyncio.create_task(trickle())
-        answer, seconds = await _until_closed(reader, 5)
+        answer, seconds = await _until_closed(reader, 5, opened)
         trickling.cancel()
         writer.close()
         return answer, seconds, server.connection_metrics.header_timeouts
@@ -227,8 +232,9 @@ def test_a_trickled_head_is_cut_at_header_timeout_s_with_a_json_408_and_counted(
 def test_a_connection_that_sends_nothing_is_closed_without_an_answer_at_header_timeout_s():
     async def scenario() -> tuple[bytes, float, int]:
         server, port = await _serve(_ok, header_timeout_s=1.0)
+        opened = time.perf_counter()
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        answer, seconds = await _until_closed(reader, 5)
+        answer, seconds = await _until_closed(reader, 5, opened)
         writer.close()
         return answer, seconds, server.connection_metrics.header_timeouts
 
