@@ -222,7 +222,7 @@ def test_machine_ticks_and_gpu_samples():
 def test_a_short_run_serves_both_levels_and_both_processes_answer(tiny_models_dir, tmp_path):
     out = tmp_path / "scale.json"
     cmd = [sys.executable, "-m", "benchmarks.scale", "--models", str(tiny_models_dir), "--model", "mha-h2-d32"]
-    cmd += ["--processes", "1,2", "--seconds", "2", "--rounds", "1", "--json", str(out)]
+    cmd += ["--processes", "1,2", "--seconds", "1", "--rounds", "1", "--json", str(out)]
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=150)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads(out.read_text())
