@@ -13,8 +13,10 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
+import onnxruntime as ort
 import pytest
 
+from benchmarks.scale.cli import parse_args
 from benchmarks.scale.figures import merged, percentile_ms, shares, summary
 from benchmarks.scale.levels import default_processes, parse_precisions, parse_processes, parse_variant, plan
 from benchmarks.scale.loops import Outcome, Tally, content_length, served_by
@@ -74,6 +76,13 @@ def test_variants_are_levels_of_their_own_beside_the_defaults_and_their_servers_
     server = serve_level(tmp_path, "m", "gpu", 2, {"gpu_wait": "block"})
     assert server.config["deployment"] == {"gpu_wait": "block", "placement": "colocated"}
     assert serve_level(tmp_path, "m", "cpu", 1).config["deployment"] == {"placement": "colocated"}
+
+
+@pytest.mark.skipif("CUDAExecutionProvider" in ort.get_available_providers(), reason="this ORT has CUDA")
+def test_the_gpu_backend_without_cuda_is_one_line_and_exit_status_2_before_any_server_starts(capsys):
+    with pytest.raises(SystemExit) as stopped:
+        parse_args(["--backend", "gpu", "--model", "small"], cores=2)
+    assert stopped.value.code == 2 and "CPU-only package" in capsys.readouterr().err
 
 
 def test_a_head_names_its_serving_process_and_length_whatever_the_case():

@@ -30,6 +30,8 @@ from benchmarks.scale.servers import level_sides, serve_level, start_all, starte
 from benchmarks.scale.verdict import verdict
 from benchmarks.serving.rounds import Side, interleaved, joined, rounds
 from contract.metadata import CONFIG_FILE, MODEL_FILE
+from service.errors import BackendError
+from service.runtime import plan_providers
 
 
 def parse_args(argv: list[str] | None, cores: int) -> argparse.Namespace:
@@ -75,6 +77,11 @@ def parse_args(argv: list[str] | None, cores: int) -> argparse.Namespace:
         p.error(str(exc))
     if args.rounds < 1 or args.seconds <= 0 or args.clients < 1 or args.concurrency < 1:
         p.error("--rounds, --clients and --concurrency must be at least 1 and --seconds above 0")
+    if args.backend == "gpu":
+        try:  # the servers would fail each replica at start, saying why, and be retried by Serve meanwhile
+            plan_providers("gpu")
+        except BackendError as exc:
+            p.error(str(exc))
     if args.model not in MODELS and not (args.models / args.model / MODEL_FILE).is_file():
         p.error(f"--model: {args.model!r} is neither small nor default nor a model in {args.models}")
     return args

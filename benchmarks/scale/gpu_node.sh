@@ -36,7 +36,7 @@ timeout "${GPU_S:-330}" python3 -m benchmarks.scale --backend gpu --models "$mod
   --concurrency 64 --body binary --seconds 4 --rounds 2 --json "$out/scale_gpu.json" --plot "$out/scale_gpu.png" \
   > "$out/scale_gpu.log" 2>&1
 echo "GPU scaling: exit status $?"; stop_servers; tail -c 5000 "$out/scale_gpu.log"
-[ "${MPS:-0}" = 1 ] && echo quit | nvidia-cuda-mps-control
+if [ "${MPS:-0}" = 1 ]; then echo quit | nvidia-cuda-mps-control; fi
 
 timeout "${CPU_S:-150}" python3 -m benchmarks.scale --backend cpu --models "$models" --model small \
   --processes 1,8 --clients 4 --concurrency 32 --body binary --seconds 4 --rounds 2 \
