@@ -13,26 +13,18 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 
+from benchmarks.serving.bare import call_times
 from benchmarks.serving.requests import TOKENS
 from contract.metadata import ATTENTION_MASK, INPUT_IDS, LOGITS
 from service.errors import BackendError
 from service.runtime import CUDA, load_runtime, model_file, plan_providers, preload_cuda_libraries, session_options
 
 MODES = ("plain", "iobinding", "cudagraph")
-
-
-class Plain:
-    def __init__(self, session: ort.InferenceSession) -> None:
-        self.session = session
-
-    def __call__(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
-        return self.session.run([LOGITS], {INPUT_IDS: ids, ATTENTION_MASK: mask})[0]
 
 
 class Bound:
@@ -73,27 +65,14 @@ class Graph:
         return self.logits.numpy()
 
 
-def timed(call, ids: np.ndarray, mask: np.ndarray, seconds: float) -> list[float]:
-    """Seconds per call of back-to-back calls for `seconds` (at least 20, after 5 unmeasured)."""
-    for _ in range(5):
-        call(ids, mask)
-    times: list[float] = []
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline or len(times) < 20:
-        start = time.perf_counter()
-        call(ids, mask)
-        times.append(time.perf_counter() - start)
-    return times
-
-
 def callers(models_dir: Path, name: str, backend: str, batch: int) -> tuple[dict, np.ndarray, np.ndarray, dict]:
     """The modes that can run here for (batch, TOKENS) inputs, the inputs, and why the others cannot."""
     runtime = load_runtime(models_dir, name, backend, threads=1)
     ids = np.random.default_rng(batch).integers(4, 260, size=(batch, TOKENS))  # (B, T)
     mask = np.ones_like(ids)
-    reference = Plain(runtime.session)(ids, mask)  # (B, C)
+    reference = runtime.run(ids, mask)  # (B, C)
     device = "cuda" if runtime.backend == "gpu" else "cpu"
-    modes, why_not = {"plain": Plain(runtime.session), "iobinding": Bound(runtime.session, device)}, {}
+    modes, why_not = {"plain": runtime.run, "iobinding": Bound(runtime.session, device)}, {}
     if runtime.backend != "gpu":
         why_not["cudagraph"] = f"ORT runs on {runtime.backend} here ({runtime.reason}): CUDA graphs need the GPU"
     else:
@@ -120,7 +99,7 @@ def measure(models_dir: Path, names: list[str], backend: str, batches: list[int]
             samples: dict[str, list[float]] = {m: [] for m in modes}
             for _ in range(rounds):  # interleaved: the machine's drift falls on every mode alike
                 for mode, call in modes.items():
-                    samples[mode].extend(timed(call, ids, mask, seconds / rounds))
+                    samples[mode].extend(call_times(call, ids, mask, seconds / rounds, warmup=5))
             for mode, times in samples.items():
                 p50 = float(np.median(times))
                 row[mode] = {"p50_ms": p50 * 1e3, "seq_s": batch / p50, "runs": len(times)}

@@ -34,10 +34,15 @@ def _checked(rc: int, call: str) -> None:
         raise OSError(f"{call} returned CUDA error {rc}")
 
 
-def _set_flags(lib: ctypes.CDLL, device: int, flags: int) -> None:
+def _device(lib: ctypes.CDLL, ordinal: int) -> ctypes.c_int:
     dev = ctypes.c_int()
     _checked(lib.cuInit(0), "cuInit")
-    _checked(lib.cuDeviceGet(ctypes.byref(dev), device), "cuDeviceGet")
+    _checked(lib.cuDeviceGet(ctypes.byref(dev), ordinal), "cuDeviceGet")
+    return dev
+
+
+def _set_flags(lib: ctypes.CDLL, device: int, flags: int) -> None:
+    dev = _device(lib, device)
     # cuda.h maps cuDevicePrimaryCtxSetFlags to its _v2 (CUDA >= 11), which may be called while the context is active.
     set_flags = getattr(lib, "cuDevicePrimaryCtxSetFlags_v2", None) or lib.cuDevicePrimaryCtxSetFlags
     set_flags.restype = ctypes.c_int
@@ -69,9 +74,7 @@ def set_gpu_wait(wait: str, device: int = 0) -> str:
 def primary_context_wait(device: int = 0) -> tuple[str, bool]:
     """The wait set on GPU `device`'s primary context, and whether that context is active (someone opened it)."""
     lib = _driver()
-    dev, flags, active = ctypes.c_int(), ctypes.c_uint(), ctypes.c_int()
-    _checked(lib.cuInit(0), "cuInit")
-    _checked(lib.cuDeviceGet(ctypes.byref(dev), device), "cuDeviceGet")
+    dev, flags, active = _device(lib, device), ctypes.c_uint(), ctypes.c_int()
     state = lib.cuDevicePrimaryCtxGetState(dev, ctypes.byref(flags), ctypes.byref(active))
     _checked(state, "cuDevicePrimaryCtxGetState")
     names = {v: k for k, v in _FLAGS.items()}

@@ -28,7 +28,8 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
     name and the model settings (service/config.py DeploymentSettings) its levels' servers change; ValueError for a
     malformed one, or a setting the service would refuse (its own check, the one its config file gets)."""
     name, sep, rest = text.partition(":")
-    if not sep or not name.strip() or " " in name.strip():
+    name = name.strip()
+    if not sep or not name or " " in name:
         raise ValueError(f"--variant: {text!r} is not NAME:KEY=VALUE[,KEY=VALUE...] (NAME without spaces)")
     settings = {}
     for item in filter(None, (part.strip() for part in rest.split(","))):
@@ -41,7 +42,7 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
     except ValidationError as exc:
         why = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
         raise ValueError(f"--variant {name}: {why}") from None
-    return name.strip(), settings
+    return name, settings
 
 
 def default_processes(cores: int) -> list[int]:

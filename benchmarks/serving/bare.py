@@ -71,19 +71,23 @@ def batched_rate(runtimes: list, batch: int, seconds: float) -> float:
     return sum(counts) / (time.perf_counter() - start)
 
 
-def p50_ms(runtime, seconds: float) -> float:
-    """Median latency of back-to-back batch-1 runs of TOKENS tokens for `seconds` (at least 20, after 20 more)."""
-    ids = np.random.default_rng(1).integers(4, 260, size=(1, TOKENS))  # (1, T)
-    mask = np.ones_like(ids)
-    for _ in range(20):
-        runtime.run(ids, mask)
+def call_times(run, ids: np.ndarray, mask: np.ndarray, seconds: float, warmup: int = 20) -> list[float]:
+    """Seconds per call of back-to-back `run(ids, mask)` for `seconds` (at least 20 calls, after `warmup` more)."""
+    for _ in range(warmup):
+        run(ids, mask)
     times = []
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline or len(times) < 20:
         start = time.perf_counter()
-        runtime.run(ids, mask)
+        run(ids, mask)
         times.append(time.perf_counter() - start)
-    return float(np.median(times) * 1e3)
+    return times
+
+
+def p50_ms(runtime, seconds: float) -> float:
+    """Median latency of back-to-back batch-1 runs of TOKENS tokens for `seconds` (at least 20, after 20 more)."""
+    ids = np.random.default_rng(1).integers(4, 260, size=(1, TOKENS))  # (1, T)
+    return float(np.median(call_times(runtime.run, ids, np.ones_like(ids), seconds)) * 1e3)
 
 
 def bare_sides(models_dir: Path, name: str, scan: dict, prefix: str) -> dict[str, Side]:
