@@ -21,12 +21,12 @@ import numpy as np
 from benchmarks.harness.cluster import LocalCluster, head_only_config
 from benchmarks.harness.polling import until
 from benchmarks.harness.processes import command_line, paused
-from benchmarks.harness.sockets import tcp_sockets
 from benchmarks.models import MODELS, ensure_model
 from benchmarks.scale.clients import ClientPool
 from benchmarks.scale.figures import merged
 
-MODES = {"serve proxy": {}, "haproxy": {"RAY_SERVE_ENABLE_HA_PROXY": "1"}}
+# The pods' setting is HAProxy's (CLUSTER_RAY_ENV); each mode says its own.
+MODES = {"serve proxy": {"RAY_SERVE_ENABLE_HA_PROXY": "0"}, "haproxy": {"RAY_SERVE_ENABLE_HA_PROXY": "1"}}
 PROTOCOLS = ("http", "grpc")
 WARMUP_S = 1.0
 
@@ -47,8 +47,8 @@ def config(cluster: LocalCluster, models_dir: Path, name: str, replicas: int) ->
 
 def holder(cluster: LocalCluster, port: int) -> str:
     """The command of the process listening on `port` among the cluster's ("" if none yet)."""
-    pids = sorted({p for node in cluster.nodes for p in cluster.processes(node)})
-    return next((command_line(s.pid) for s in tcp_sockets(pids) if s.listening and s.port == port), "")
+    pid = cluster.listener(port)
+    return "" if pid is None else command_line(pid)
 
 
 def started(mode: str, root: Path, models_dir: Path, name: str, replicas: int) -> LocalCluster:

@@ -1,12 +1,14 @@
 """A real two-node Ray cluster on this machine, deployed like KubeRay does it: `serve deploy` of
-deploy/serve_config.yaml (adapted to tiny models), requests to every head configuration (HTTP, and gRPC through
-Serve's gRPC proxy), placement by Ray resources (the second node advertises a logical GPU, standing in for a GPU
+deploy/serve_config.yaml (adapted to tiny models), with the pods' Ray settings (Serve's HAProxy ingress among them),
+requests to every head configuration (HTTP and gRPC through HAProxy), the limits' answers through it, placement by Ray
+resources (the second node advertises a logical GPU, standing in for a GPU
 worker), and recovery after that node is killed and comes back. Only processes this test starts are stopped, by
 PID, at the end. The cluster itself is benchmarks/harness/cluster.py, which benchmarks/cluster_faults/ drives too.
 """
 
 from __future__ import annotations
 
+import http.client
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -21,8 +23,10 @@ from serving import v2_tensor
 
 from benchmarks.harness.cluster import LocalCluster, head_only_config
 from benchmarks.harness.polling import until
+from benchmarks.harness.processes import command_line
 from contract.rpc import inference_pb2 as pb
 from contract.rpc import inference_pb2_grpc as pb_grpc
+from service.limits import MAX_BODY_BYTES
 
 pytestmark = [pytest.mark.slow, pytest.mark.serve]
 
@@ -91,7 +95,7 @@ def answered(cluster: LocalCluster, model: str) -> dict | None:
 
 
 def check_grpc(cluster: LocalCluster, models: list[str]) -> None:
-    """Through Serve's gRPC proxy, with no metadata (one application): each model's ModelInfer logits equal its
+    """Through the node's way in, with no metadata (one application): each model's ModelInfer logits equal its
     HTTP v2 answer for the same ids, health Check says SERVING, a malformed request is INVALID_ARGUMENT."""
     ids = np.array([[5, 17, 42, 99, 7, 3]], dtype=np.int64)  # (1, T)
     with grpc.insecure_channel(f"127.0.0.1:{cluster.grpc_port}") as channel:
@@ -113,6 +117,26 @@ def check_grpc(cluster: LocalCluster, models: list[str]) -> None:
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value.details()
         check = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30)
         assert check.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def check_way_in(cluster: LocalCluster, model: str) -> None:
+    """The pods' way in, Serve's HAProxy ingress: HAProxy holds the HTTP port; a head over the limit gets the JSON
+    431 (HAProxy's buffer holds it), a client sending a whole body over the limit before it reads gets the JSON 413
+    (no broken pipe), a gRPC message over the limit RESOURCE_EXHAUSTED."""
+    assert Path(command_line(cluster.listener(cluster.http_port)).split()[0]).name == "haproxy"
+    big_head = httpx.get(f"http://127.0.0.1:{cluster.http_port}/v2", headers={"x-big": "a" * 70_000}, timeout=10)
+    assert big_head.status_code == 431 and "over the limit" in big_head.json()["error"], big_head.text[:200]
+    body = b"\0" * (MAX_BODY_BYTES * 4)  # well past what a socket buffers: the server must read it to answer
+    connection = http.client.HTTPConnection("127.0.0.1", cluster.http_port, timeout=30)
+    connection.request("POST", f"/v2/models/{model}/infer", body=body, headers={"content-type": "application/json"})
+    refused = connection.getresponse()
+    assert refused.status == 413 and b"over the limit" in refused.read()
+    connection.close()
+    with grpc.insecure_channel(f"127.0.0.1:{cluster.grpc_port}") as channel:
+        message = pb.ModelInferRequest(model_name=model, raw_input_contents=[body])
+        with pytest.raises(grpc.RpcError) as too_big:
+            pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(message, timeout=30)
+        assert too_big.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, too_big.value.details()
 
 
 def placement(cluster: LocalCluster) -> dict[str, set[str]]:
@@ -137,6 +161,7 @@ def test_serve_config_deploys_on_two_nodes_places_by_resources_and_recovers_a_lo
     for model, body in first.items():
         assert body["model"] == model and len(body["logits"][0]) == len(body["labels"])
     check_grpc(cluster, [CPU_MODEL, GPU_MODEL])
+    check_way_in(cluster, CPU_MODEL)
 
     # placement: the GPU head configuration in its own deployment on the node with the (logical) GPU; the CPU one
     # co-located in the ingress replicas (no deployment of its own), which run on the head

@@ -132,14 +132,16 @@ def test_the_image_points_serves_proxy_hook_at_the_request_limits_middleware():
 
     from starlette.middleware import Middleware
 
-    from service.http.limits import PROXY_LIMITS_ENV, RequestLimitsMiddleware
+    from service.http.limits import PROXY_LIMITS_ENV, AnswerAfterBody, RequestLimitsMiddleware
 
     dockerfile = (ROOT / "Dockerfile").read_text()
     set_there = dict(re.findall(r"^ENV (RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH)=(\S+)$", dockerfile, flags=re.M))
     assert set_there == PROXY_LIMITS_ENV
     module, _, function = set_there["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"].partition(":")
-    (middleware,) = getattr(importlib.import_module(module), function)()
-    assert isinstance(middleware, Middleware) and middleware.cls is RequestLimitsMiddleware
+    middlewares = getattr(importlib.import_module(module), function)()
+    assert all(isinstance(m, Middleware) for m in middlewares)
+    # Serve wraps the app in each in turn: the limits checked first, the answer held for the body outermost
+    assert [m.cls for m in middlewares] == [RequestLimitsMiddleware, AnswerAfterBody]
 
 
 def test_mha_proxy_limits_sets_the_proxys_limits_and_a_bad_value_names_the_field(monkeypatch):
@@ -148,10 +150,10 @@ def test_mha_proxy_limits_sets_the_proxys_limits_and_a_bad_value_names_the_field
     from service.config import RequestLimits
     from service.http.limits import PROXY_LIMITS_VAR, proxy_middlewares
 
-    (default,) = proxy_middlewares()
+    default, _ = proxy_middlewares()
     assert default.kwargs["limits"] == RequestLimits()
     monkeypatch.setenv(PROXY_LIMITS_VAR, '{"max_body_bytes": 4194304}')
-    (raised,) = proxy_middlewares()
+    raised, _ = proxy_middlewares()
     assert raised.kwargs["limits"] == RequestLimits(max_body_bytes=4194304)
     monkeypatch.setenv(PROXY_LIMITS_VAR, '{"max_body_byte": 1}')
     with pytest.raises(pydantic.ValidationError, match="max_body_byte"):

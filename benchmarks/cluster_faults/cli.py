@@ -72,8 +72,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--faults",
-        default=",".join(FAULTS),
-        help=f"which, in this order (default: {','.join(FAULTS)})",
+        help=f"which, in this order (default: {','.join(FAULTS)}; without haproxy where Serve's proxy is the way in)",
     )
     p.add_argument(
         "--env",
@@ -84,10 +83,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--out", type=Path, help="where the report goes (default: runs/cluster-faults/<date-time>/)")
     args = p.parse_args(argv)
-    args.faults = [f.strip() for f in args.faults.split(",") if f.strip()]
+    serve_proxy = "RAY_SERVE_ENABLE_HA_PROXY=0" in args.env
+    chosen = (
+        args.faults if args.faults is not None else ",".join(f for f in FAULTS if f != "haproxy" or not serve_proxy)
+    )
+    args.faults = [f.strip() for f in chosen.split(",") if f.strip()]
     unknown = [f for f in args.faults if f not in FAULTS]
     if unknown or not args.faults:
         p.error(f"--faults: choose among {', '.join(FAULTS)}, got {args.faults}")
+    if serve_proxy and "haproxy" in args.faults:
+        p.error("--faults haproxy needs Serve's HAProxy ingress, which --env RAY_SERVE_ENABLE_HA_PROXY=0 turns off")
     if args.rate <= 0 or args.timeout <= 0 or args.retries < 0 or args.backoff < 0:
         p.error("--rate and --timeout must be above 0, --retries and --backoff at least 0")
     if args.settle < HOLD_BINS or args.observe < BACK_WITHIN_S + HOLD_BINS:

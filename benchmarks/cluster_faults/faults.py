@@ -17,7 +17,7 @@ from benchmarks.cluster_faults.load import LoadPlan, run_client
 from benchmarks.harness.cluster import LocalCluster, Node
 from benchmarks.harness.polling import until
 
-FAULTS = ("replica", "controller", "proxy", "node")
+FAULTS = ("replica", "controller", "proxy", "haproxy", "node")
 
 
 WARMUP_S = 5.0  # of load before the first fault's steady window: connections opened, every replica warm
@@ -54,6 +54,14 @@ def actor_victim(cluster: LocalCluster, class_name: str, words: str) -> tuple[in
         raise FaultRunError(f"{len(alive)} alive {class_name} actors on the head, not one")
     pid = ours(cluster, alive[0]["pid"], class_name)
     return pid, f"SIGKILL to {words} (pid {pid})"
+
+
+def haproxy_victim(cluster: LocalCluster) -> tuple[int, str]:
+    """The HAProxy process holding the head's HTTP port: (pid, words)."""
+    pid = cluster.listener(cluster.http_port)
+    if pid is None:
+        raise FaultRunError(f"nothing of this run listens on the HTTP port {cluster.http_port}")
+    return ours(cluster, pid, "HAProxy"), f"SIGKILL to the HAProxy process on the head (pid {pid})"
 
 
 def pause(seconds: float, client: multiprocessing.Process) -> None:
@@ -114,10 +122,13 @@ class Run:
             dead = cluster.processes(worker)
             at = cluster.kill(worker)
             return at, dead, f"SIGKILL to every process of node {worker.name} (its raylet and workers: a pod lost)"
+        if fault == "haproxy" and cluster.proxy_class != "HAProxyManager":
+            raise FaultRunError("the haproxy fault needs Serve's HAProxy ingress (RAY_SERVE_ENABLE_HA_PROXY=1)")
         victims = {
             "replica": lambda: replica_victim(cluster, self.models[1]),
             "controller": lambda: actor_victim(cluster, "ServeController", "Serve's controller"),
-            "proxy": lambda: actor_victim(cluster, "ProxyActor", "the head's Serve proxy (HTTP and gRPC)"),
+            "proxy": lambda: actor_victim(cluster, cluster.proxy_class, f"the head's way in ({cluster.proxy_class})"),
+            "haproxy": lambda: haproxy_victim(cluster),
         }
         pid, what = until(f"the {fault} to kill", victims[fault], 30)
         at = time.monotonic()

@@ -18,7 +18,7 @@ def problems(cluster: LocalCluster, models: list[str], want: dict[str, int], dea
     and none of these in a process that was killed (`dead`: Serve may still list it before it notices)."""
     try:
         details = cluster.serve_details()
-        controllers, proxies = cluster.actors("ServeController"), cluster.actors("ProxyActor")
+        controllers, proxies = cluster.actors("ServeController"), cluster.actors(cluster.proxy_class)
     except (httpx.HTTPError, KeyError, ValueError) as exc:
         return [f"Ray's dashboard: {exc!r}"]
     found = []
@@ -41,7 +41,7 @@ def problems(cluster: LocalCluster, models: list[str], want: dict[str, int], dea
                 found.append(f"{name}: {len(running)} replicas RUNNING on {len(nodes)} nodes (target {target})")
             if any(r.get("pid") in dead for r in running):
                 found.append(f"{name}: a killed replica still listed RUNNING")
-    for kind, alive in (("ServeController", controllers), ("ProxyActor", proxies)):
+    for kind, alive in (("ServeController", controllers), (cluster.proxy_class, proxies)):
         if len(alive) != 1 or alive[0]["pid"] in dead:
             found.append(f"{kind}: {[a['pid'] for a in alive]} alive")
     unhealthy = {

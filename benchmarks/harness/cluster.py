@@ -22,9 +22,11 @@ import httpx
 import yaml
 
 from benchmarks.harness.processes import descendants, pids_mentioning, pids_with_env, signal_all
+from benchmarks.harness.sockets import tcp_sockets
 from service.http.limits import PROXY_LIMITS_ENV
+from service.limits import MAX_BODY_BYTES
 from service.local.ports import free_port
-from service.local.ray_env import CLUSTER_RAY_ENV
+from service.local.ray_env import CLUSTER_RAY_ENV, GRPC_PROXY_LIMIT_VAR
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent  # the venv's `ray` and `serve`, unactivated
@@ -51,6 +53,8 @@ class LocalCluster:
     dashboard_port: int = field(default_factory=free_port)
     http_port: int = field(default_factory=free_port)
     grpc_port: int = field(default_factory=free_port)
+    # HAProxy's own metrics and stats ports: fixed by default (9101, 8404), so two clusters on one machine would clash
+    haproxy_ports: tuple[int, int] = field(default_factory=lambda: (free_port(), free_port()))
     extra_env: dict[str, str] = field(default_factory=dict)  # for every node, last: wins over the settings below
 
     @property
@@ -59,12 +63,21 @@ class LocalCluster:
             **os.environ,
             **PROXY_LIMITS_ENV,  # as the image sets it
             **CLUSTER_RAY_ENV,  # as deploy/k8s/base/rayservice.yaml sets it on every pod
+            GRPC_PROXY_LIMIT_VAR: str(MAX_BODY_BYTES),  # as the pods set it: deploy/serve_config.yaml's body limit
             "RAY_AUTH_MODE": "disabled",  # trusted local setup on 127.0.0.1 (Ray 2.60 defaults to token auth)
             "RAY_USAGE_STATS_ENABLED": "0",
             "RAY_health_check_period_ms": "1000",  # notice a killed node in seconds, not tens of seconds
             "RAY_health_check_failure_threshold": "3",
+            "RAY_SERVE_HAPROXY_METRICS_PORT": str(self.haproxy_ports[0]),
+            "RAY_SERVE_HAPROXY_STATS_PORT": str(self.haproxy_ports[1]),
             **self.extra_env,
         }
+
+    @property
+    def proxy_class(self) -> str:
+        """The actor class of a node's way in: the manager of HAProxy where Serve's HAProxy ingress is on (the pods'
+        setting), else Serve's proxy."""
+        return "HAProxyManager" if self.env.get("RAY_SERVE_ENABLE_HA_PROXY") == "1" else "ProxyActor"
 
     @property
     def dashboard(self) -> str:
@@ -129,6 +142,11 @@ class LocalCluster:
     def owns(self, pid: int) -> bool:
         """Whether `pid` is one of this cluster's processes: one it may signal."""
         return any(pid in self.processes(node) for node in self.nodes)
+
+    def listener(self, port: int) -> int | None:
+        """The pid of this cluster's process listening on `port` (the lowest, where several share it), or None."""
+        pids = sorted({p for node in self.nodes for p in self.processes(node)})
+        return min((s.pid for s in tcp_sockets(pids) if s.listening and s.port == port), default=None)
 
     def deploy(self, config: dict, timeout_s: float = 120) -> subprocess.CompletedProcess:
         """`serve deploy` of `config` (written next to the nodes' logs) through the head's dashboard."""

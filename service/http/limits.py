@@ -5,6 +5,8 @@ Starlette request's body read within the limits. No torch.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 from typing import Any
 
@@ -14,7 +16,7 @@ from starlette.requests import Request
 from service import limits as check
 from service.config import RequestLimits
 from service.errors import ServiceError
-from service.http.uvicorn_adapter import HEAD_CHECKED
+from service.http.uvicorn_adapter import HEAD_CHECKED, LINGER_S
 from service.responses import error_response
 
 
@@ -44,6 +46,46 @@ class RequestLimitsMiddleware:
         await self.app(scope, receive, send)
 
 
+class AnswerAfterBody:
+    """Holds an answer given before the request's body is all in (a refusal) until the rest of the body is read and
+    dropped, for up to LINGER_S: HAProxy (Serve's HAProxy ingress) closes the client's connection once the answer is
+    out, and a client still sending its body (Python's http.client, requests) then gets a broken pipe, not the answer.
+    A client waiting on `Expect: 100-continue` has sent none of it and is answered at once."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or not _has_body(scope["headers"]):
+            return await self.app(scope, receive, send)
+        read_any = body_in = False
+
+        async def tracked_receive():
+            nonlocal read_any, body_in
+            message = await receive()
+            read_any = True
+            body_in = message["type"] != "http.request" or not message.get("more_body", False)
+            return message
+
+        async def held_send(message) -> None:
+            if message["type"] == "http.response.start" and not body_in and (read_any or not _expects(scope)):
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(LINGER_S):
+                        while not body_in:
+                            await tracked_receive()
+            await send(message)
+
+        await self.app(scope, tracked_receive, held_send)
+
+
+def _has_body(headers: list[tuple[bytes, bytes]]) -> bool:
+    return any((k == b"content-length" and v != b"0") or k == b"transfer-encoding" for k, v in headers)
+
+
+def _expects(scope) -> bool:
+    return any(k == b"expect" and v.lower() == b"100-continue" for k, v in scope["headers"])
+
+
 # Serve's documented proxy hook: set where Ray starts (the image, the tests' cluster-like Ray), read by Serve's proxy.
 PROXY_LIMITS_ENV = {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "service.http.limits:proxy_middlewares"}
 
@@ -56,7 +98,8 @@ def proxy_middlewares() -> list[Middleware]:
     checks heads and announced bodies against the limits before it reads a body (uvicorn sends `100 Continue` only
     once a body is read). The proxy serves every application: its limits are the defaults or MHA_PROXY_LIMITS."""
     limits = RequestLimits.model_validate_json(os.environ.get(PROXY_LIMITS_VAR) or "{}")
-    return [Middleware(RequestLimitsMiddleware, limits=limits)]
+    # Serve applies them in order, each around the ones before: the last is outermost.
+    return [Middleware(RequestLimitsMiddleware, limits=limits), Middleware(AnswerAfterBody)]
 
 
 async def read_body(request: Request, limits: RequestLimits) -> bytes:

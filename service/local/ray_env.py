@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 from service.http.limits import PROXY_LIMITS_ENV
+from service.limits import MAX_HEADER_BYTES
 from service.local.ports import is_loopback
 
 # Ray's metrics agent would keep every series a replica ever reported until Ray restarts, so the export would grow
@@ -25,11 +26,22 @@ BOUNDED_METRICS_ENV = {
     "RAY_SERVE_CONTROLLER_METRICS_INCLUDE_HIGH_CARDINALITY_TAGS": "0",
 }
 
-# Serve's controller replaces a dead proxy after 3 failed health checks in a row, one every this many seconds: with
-# Ray's default 10 s a node was without its proxy for ~25 s, with 2 s for ~6 s (benchmarks/cluster_faults.py).
-PROXY_HEALTH_ENV = {"RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S": "2"}
+# Serve's controller replaces a dead proxy (or HAProxy's manager) after 3 failed health checks in a row, one every
+# this many seconds: a node refused connections for ~25 s with Ray's default 10 s, ~6 s with 2 s, ~5 s with 1 s
+# under HAProxy, where 2 s left ~8 s (benchmarks/cluster_faults).
+PROXY_HEALTH_ENV = {"RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S": "1"}
+# Wherever Serve's controller runs: the local launcher, the tests' Serve, every pod.
+SERVE_RAY_ENV = {**BOUNDED_METRICS_ENV, **PROXY_HEALTH_ENV}
+
+# Serve's HAProxy ingress: HAProxy holds the node's HTTP and gRPC ports and forwards each request to an ingress
+# replica's own server, where Serve's proxy is a Python process per node between them (6.8 x the requests over HTTP,
+# docs/benchmarks.md). HAProxy refuses a head over its buffer with its own HTML 400: the buffer holds a head somewhat
+# over max_header_bytes, so the replica answers that with the JSON 431.
+HAPROXY_BUFSIZE = MAX_HEADER_BYTES + (16 << 10)
+HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_HAPROXY_TUNE_BUFSIZE": str(HAPROXY_BUFSIZE)}
+
 # Every pod of the RayService sets these (deploy/k8s/base/rayservice.yaml; tests/test_metrics_bounded.py checks).
-CLUSTER_RAY_ENV = {**BOUNDED_METRICS_ENV, **PROXY_HEALTH_ENV}
+CLUSTER_RAY_ENV = {**SERVE_RAY_ENV, **HAPROXY_ENV}
 
 # Set with setdefault: the user's own values win.
 LOCAL_RAY_ENV = {
@@ -49,7 +61,7 @@ LOCAL_RAY_ENV = {
     "RAY_ENABLE_AUTO_CONNECT": "0",
     # With --proxy: Serve's proxy checks the default request limits before it reads a body, as on a cluster.
     **PROXY_LIMITS_ENV,
-    **CLUSTER_RAY_ENV,
+    **SERVE_RAY_ENV,
 }
 # With --access-log: Serve's logger writes each line to stderr too (which Ray forwards to the server's output) and at
 # once (the throughput-optimized mode buffers the request path's lines 1,000 at a time).
