@@ -1,6 +1,6 @@
 """The request limits (service/limits.py) on the ASGI side: a middleware refusing a head or an announced body over
-the limits before any route runs (where Serve's proxy parsed the head), Serve's proxy hook installing it, and a
-Starlette request's body read within the limits. No torch.
+the limits before any route runs (where Serve's server parsed the head), one holding an early answer until the body is
+in, Serve's proxy hook installing both, and a Starlette request's body read within the limits. No torch.
 """
 
 from __future__ import annotations
@@ -94,9 +94,10 @@ PROXY_LIMITS_VAR = "MHA_PROXY_LIMITS"  # JSON of RequestLimits fields for Serve'
 
 
 def proxy_middlewares() -> list[Middleware]:
-    """Serve's proxy callback: on a cluster, where requests reach the ingress through Serve's proxy, the proxy
-    checks heads and announced bodies against the limits before it reads a body (uvicorn sends `100 Continue` only
-    once a body is read). The proxy serves every application: its limits are the defaults or MHA_PROXY_LIMITS."""
+    """Serve's proxy callback, which Serve installs around the application in its HTTP proxy and in each ingress
+    replica's own Serve server (where HAProxy forwards on a cluster): heads and announced bodies are checked against
+    the limits before a body is read (uvicorn sends `100 Continue` only once a body is read), and an early answer
+    waits for the body. These serve every application: their limits are the defaults or MHA_PROXY_LIMITS."""
     limits = RequestLimits.model_validate_json(os.environ.get(PROXY_LIMITS_VAR) or "{}")
     # Serve applies them in order, each around the ones before: the last is outermost.
     return [Middleware(RequestLimitsMiddleware, limits=limits), Middleware(AnswerAfterBody)]

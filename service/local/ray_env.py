@@ -27,8 +27,8 @@ BOUNDED_METRICS_ENV = {
 }
 
 # Serve's controller replaces a dead proxy (or HAProxy's manager) after 3 failed health checks in a row, one every
-# this many seconds: a node refused connections for ~25 s with Ray's default 10 s, ~6 s with 2 s, ~5 s with 1 s
-# under HAProxy, where 2 s left ~8 s (benchmarks/cluster_faults).
+# this many seconds: the node refused connections for ~25 s with Ray's default 10 s, ~5 s with 1 s, whichever the
+# way in (benchmarks/cluster_faults).
 PROXY_HEALTH_ENV = {"RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S": "1"}
 # Wherever Serve's controller runs: the local launcher, the tests' Serve, every pod.
 SERVE_RAY_ENV = {**BOUNDED_METRICS_ENV, **PROXY_HEALTH_ENV}
