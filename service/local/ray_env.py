@@ -34,9 +34,9 @@ PROXY_HEALTH_ENV = {"RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S": "1"}
 SERVE_RAY_ENV = {**BOUNDED_METRICS_ENV, **PROXY_HEALTH_ENV}
 
 # Serve's HAProxy ingress: HAProxy holds the node's HTTP and gRPC ports and forwards each request to an ingress
-# replica's own server, where Serve's proxy is a Python process per node between them (6.8 x the requests over HTTP,
-# docs/benchmarks.md). HAProxy refuses a head over its buffer with its own HTML 400: the buffer holds a head somewhat
-# over max_header_bytes, so the replica answers that with the JSON 431.
+# replica's own server, where Serve's proxy is a Python process per node between them (6.1-6.8 x the requests over
+# HTTP, docs/benchmarks.md). HAProxy refuses a head over its buffer with its own HTML 400: the buffer holds a head
+# somewhat over max_header_bytes, so the replica answers that with the JSON 431.
 HAPROXY_BUFSIZE = MAX_HEADER_BYTES + (16 << 10)
 HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_HAPROXY_TUNE_BUFSIZE": str(HAPROXY_BUFSIZE)}
 
