@@ -1,8 +1,8 @@
 """The cluster-faults benchmark's figures and bar (benchmarks/cluster_faults/analysis.py) on synthetic records of an
 open loop at 10 requests/s: what counts as in flight, lost, explained by the fault or not, when the full rate is back,
 the longest gap, and the CSV the load client writes; and which answers the load client retries
-(benchmarks/cluster_faults/load.py, against an in-process transport). The faults themselves are
-`python -m benchmarks.cluster_faults`.
+(benchmarks/cluster_faults/load.py, against an in-process transport); which faults the command line runs. The
+faults themselves are `python -m benchmarks.cluster_faults`.
 """
 
 from __future__ import annotations
@@ -195,3 +195,15 @@ def test_the_load_client_retries_refused_connections_and_503s_but_not_timeouts_o
         "slow": ("timeout", "timeout", 1),
         "missing": ("404", "404", 1),
     }
+
+
+def test_the_haproxy_fault_runs_by_default_only_where_haproxy_is_the_way_in(capsys):
+    from benchmarks.cluster_faults.cli import parse_args
+    from benchmarks.cluster_faults.faults import FAULTS
+
+    assert parse_args([]).faults == list(FAULTS)
+    serve_proxy = ["--env", "RAY_SERVE_ENABLE_HA_PROXY=0"]
+    assert parse_args(serve_proxy).faults == [f for f in FAULTS if f != "haproxy"]
+    with pytest.raises(SystemExit) as refused:
+        parse_args([*serve_proxy, "--faults", "proxy,haproxy"])
+    assert refused.value.code == 2 and "needs Serve's HAProxy ingress" in capsys.readouterr().err
