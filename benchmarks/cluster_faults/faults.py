@@ -11,13 +11,13 @@ import time
 import traceback
 
 from benchmarks.cluster_faults.analysis import FaultSpan
-from benchmarks.cluster_faults.application import APP, node_resources, targets
+from benchmarks.cluster_faults.application import APP, INGRESS, node_resources, targets
 from benchmarks.cluster_faults.health import wait_healthy
 from benchmarks.cluster_faults.load import LoadPlan, run_client
 from benchmarks.harness.cluster import LocalCluster, Node
 from benchmarks.harness.polling import until
 
-FAULTS = ("replica", "controller", "proxy", "haproxy", "node")
+FAULTS = ("replica", "ingress", "controller", "proxy", "haproxy", "node")
 
 
 WARMUP_S = 5.0  # of load before the first fault's steady window: connections opened, every replica warm
@@ -39,7 +39,7 @@ def head_id(cluster: LocalCluster) -> str:
 
 
 def replica_victim(cluster: LocalCluster, deployment: str) -> tuple[int, str]:
-    """B's replica on the worker node: (pid, words)."""
+    """The replica of `deployment` (B's or the ingress's) on the worker node: (pid, words)."""
     head = head_id(cluster)
     (replica,) = [r for r in cluster.replicas(APP)[deployment] if r["node_id"] != head]
     pid = ours(cluster, replica["pid"], f"replica {replica['replica_id']}")
@@ -126,6 +126,7 @@ class Run:
             raise FaultRunError("the haproxy fault needs Serve's HAProxy ingress (RAY_SERVE_ENABLE_HA_PROXY=1)")
         victims = {
             "replica": lambda: replica_victim(cluster, self.models[1]),
+            "ingress": lambda: replica_victim(cluster, INGRESS),
             "controller": lambda: actor_victim(cluster, "ServeController", "Serve's controller"),
             "proxy": lambda: actor_victim(cluster, cluster.proxy_class, f"the head's way in ({cluster.proxy_class})"),
             "haproxy": lambda: haproxy_victim(cluster),

@@ -34,14 +34,15 @@ MACHINE = (
 def head_text(command: str, started: str, run: Run, plan: LoadPlan) -> str:
     args = run.args
     a, b = run.models
+    way_in = "HAProxy" if run.cluster.proxy_class == "HAProxyManager" else "Serve's proxy"
     text = [
         f"# Cluster faults under load, {started}",
         f"`{command}`; {MACHINE}.",
         f"Two Ray nodes on 127.0.0.1 (`ray start`, {run.cpus:g} CPUs and {run.gpus:g} logical GPU each), "
         f"`serve deploy` of deploy/serve_config.yaml with {a} co-located in the ingress (the settings of "
         f"{CPU_TEMPLATE}) and {b} in its own deployment (those of {GPU_TEMPLATE}, backend auto); {REPLICAS} fixed "
-        f"replicas of the ingress and of {b}, one of each per node; Serve's proxy on the head only. Each pod's Ray "
-        f"settings (PROXY_LIMITS_ENV, BOUNDED_METRICS_ENV), Ray's node health checks every 1 s (3 misses)"
+        f"replicas of the ingress and of {b}, one of each per node; the way in ({way_in}) on the head only. Each "
+        f"pod's Ray settings (PROXY_LIMITS_ENV, CLUSTER_RAY_ENV), Ray's node health checks every 1 s (3 misses)"
         + (
             f"; extra: {', '.join(f'{k}={v}' for k, v in run.cluster.extra_env.items())}"
             if run.cluster.extra_env
@@ -49,7 +50,7 @@ def head_text(command: str, started: str, run: Run, plan: LoadPlan) -> str:
         )
         + ".",
         f"Load: an open loop of {plan.rate:g} simple-JSON predicts per second, the two models in turn, through the "
-        f"proxy; each attempt times out after {plan.timeout_s:g} s; a request is retried up to {plan.retries} times "
+        f"way in; each attempt times out after {plan.timeout_s:g} s; a request is retried up to {plan.retries} times "
         f"(backoff {plan.backoff_s:g} s, doubled each time) on {', '.join(sorted(RETRYABLE))}. Inference is "
         "idempotent: a retry is safe. First-attempt figures are what a client without retries sees, after-retries "
         "figures what a client with these retries sees.",
