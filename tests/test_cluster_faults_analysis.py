@@ -207,3 +207,4 @@ def test_the_haproxy_fault_runs_by_default_only_where_haproxy_is_the_way_in(caps
     with pytest.raises(SystemExit) as refused:
         parse_args([*serve_proxy, "--faults", "proxy,haproxy"])
     assert refused.value.code == 2 and "needs Serve's HAProxy ingress" in capsys.readouterr().err
+    assert "haproxy" not in parse_args(["--env", "RAY_SERVE_ENABLE_HA_PROXY=false"]).faults

@@ -83,7 +83,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--out", type=Path, help="where the report goes (default: runs/cluster-faults/<date-time>/)")
     args = p.parse_args(argv)
-    serve_proxy = "RAY_SERVE_ENABLE_HA_PROXY=0" in args.env
+    if any("=" not in e for e in args.env):
+        p.error("--env takes KEY=VALUE")
+    # As LocalCluster.proxy_class reads it: HAProxy (the pods' setting) unless --env sets anything but 1
+    serve_proxy = dict(e.split("=", 1) for e in args.env).get("RAY_SERVE_ENABLE_HA_PROXY", "1") != "1"
     chosen = (
         args.faults if args.faults is not None else ",".join(f for f in FAULTS if f != "haproxy" or not serve_proxy)
     )
@@ -92,15 +95,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if unknown or not args.faults:
         p.error(f"--faults: choose among {', '.join(FAULTS)}, got {args.faults}")
     if serve_proxy and "haproxy" in args.faults:
-        p.error("--faults haproxy needs Serve's HAProxy ingress, which --env RAY_SERVE_ENABLE_HA_PROXY=0 turns off")
+        p.error("--faults haproxy needs Serve's HAProxy ingress, which --env RAY_SERVE_ENABLE_HA_PROXY turns off")
     if args.rate <= 0 or args.timeout <= 0 or args.retries < 0 or args.backoff < 0:
         p.error("--rate and --timeout must be above 0, --retries and --backoff at least 0")
     if args.settle < HOLD_BINS or args.observe < BACK_WITHIN_S + HOLD_BINS:
         p.error(f"--settle must be at least {HOLD_BINS} s and --observe at least {BACK_WITHIN_S + HOLD_BINS:g} s")
     if args.model_a == args.model_b:
         p.error("--model-a and --model-b must differ")
-    if any("=" not in e for e in args.env):
-        p.error("--env takes KEY=VALUE")
     return args
 
 

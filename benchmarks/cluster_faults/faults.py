@@ -122,8 +122,6 @@ class Run:
             dead = cluster.processes(worker)
             at = cluster.kill(worker)
             return at, dead, f"SIGKILL to every process of node {worker.name} (its raylet and workers: a pod lost)"
-        if fault == "haproxy" and cluster.proxy_class != "HAProxyManager":
-            raise FaultRunError("the haproxy fault needs Serve's HAProxy ingress (RAY_SERVE_ENABLE_HA_PROXY=1)")
         victims = {
             "replica": lambda: replica_victim(cluster, self.models[1]),
             "ingress": lambda: replica_victim(cluster, INGRESS),
