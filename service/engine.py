@@ -23,6 +23,7 @@ from service.errors import ModelFileError, NotReadyError
 from service.inference import ModelStatus
 from service.metrics import ReplicaMetrics, model_labels
 from service.runtime import Runtime, load_runtime
+from service.thread_names import ENGINE, RUNS, name_thread, threads_named
 
 # A model lighter than this (multiply-adds x 2 per token) runs on `light_model_threads` ORT threads: its runs are too
 # short for a second thread to pay for its wake-up and synchronisation (docs/benchmarks.md, "Threads").
@@ -85,14 +86,20 @@ class EngineSettings:
         return dataclasses.replace(self.policy, max_runs=runs, inline_max_s=inline)
 
 
-def started_pool(workers: int, prefix: str) -> ThreadPoolExecutor:
-    """A thread pool whose threads are all started now. ThreadPoolExecutor starts one lazily whenever a task arrives
-    while no thread is idle (or one is only about to be), so a replica's thread count would creep up to the maximum
-    over hours, which a soak cannot tell from a leak."""
+def started_pool(workers: int, prefix: str, os_name: str = "") -> ThreadPoolExecutor:
+    """A thread pool whose threads are all started now, each named `os_name` for the OS (service/thread_names.py).
+    ThreadPoolExecutor starts one lazily whenever a task arrives while no thread is idle (or one is only about to
+    be), so a replica's thread count would creep up to the maximum over hours, which a soak cannot tell from a leak."""
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=prefix)
     gate = threading.Barrier(workers, timeout=10)  # no task ends before all have started: each submit adds a thread
-    for _ in range(workers):
-        pool.submit(gate.wait)
+
+    def start() -> None:
+        if os_name:
+            name_thread(os_name)
+        gate.wait()
+
+    for started in [pool.submit(start) for _ in range(workers)]:
+        started.result()  # every thread named before the first run
     return pool
 
 
@@ -102,6 +109,10 @@ class ModelEngine:
 
     def __init__(self, models_dir: str, name: str, settings: EngineSettings) -> None:
         self.name = name
+        with threads_named(f"{ENGINE}{name}"):  # the threads ORT (and CUDA) start for this model, named after it
+            self._open(models_dir, name, settings)
+
+    def _open(self, models_dir: str, name: str, settings: EngineSettings) -> None:
         self._runtime: Runtime | None = None
         self._error = ""
         try:
@@ -122,7 +133,7 @@ class ModelEngine:
             # main session a moment ago.
             self._beside = load_runtime(models_dir, name, "cpu", beside, settings.spinning)
         # The batcher's runners hold up to max_runs threads while requests keep coming; one more for attention.
-        self._pool = started_pool(policy.max_runs + 1, f"{ORT_THREADS}{name}")
+        self._pool = started_pool(policy.max_runs + 1, f"{ORT_THREADS}{name}", f"{RUNS}{name}")
         self._metrics = ReplicaMetrics()
         self.labels = model_labels(rt.meta, rt.backend) if rt is not None else model_labels(None, "", name)
         self._attention = AttentionVariant(models_dir, name, threads)  # opened on first use only

@@ -22,6 +22,7 @@ from service.placement import Colocated, ModelPlacement, Remote
 from service.repository import Repository
 from service.rpc.serve_proxy import add_entry_points
 from service.rpc.server import GrpcServer
+from service.thread_names import LOOP, name_thread
 
 SERVED_BY = (
     "x-served-by"  # the serving process (its Serve replica id, as the metrics' `replica` label ends) that answered
@@ -81,6 +82,7 @@ class Ingress:
             self.plane.on_refresh(self._server.connection_metrics.refresh)
         if ingress.grpc_port is not None:
             self._grpc = GrpcServer(self.plane, ingress.host, ingress.grpc_port, limits, shared)
+        name_thread(LOOP)  # the constructor runs on the thread of the loop that will serve (thread_names.py)
 
     async def reconfigure(self, user_config: dict[str, Any]) -> None:
         """Serve's in-place reconfigure (the deployment's user_config changed, no restart): load and unload models

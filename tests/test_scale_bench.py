@@ -21,7 +21,7 @@ from benchmarks.scale.figures import merged, percentile_ms, shares, summary
 from benchmarks.scale.levels import default_processes, parse_precisions, parse_processes, parse_variant, plan
 from benchmarks.scale.loops import Outcome, Tally, content_length, served_by
 from benchmarks.scale.report import row_line, table
-from benchmarks.scale.sample import GpuSampler, machine_ticks
+from benchmarks.scale.sample import GpuSampler, machine_ticks, thread_kind
 from benchmarks.scale.servers import serve_level
 from benchmarks.scale.verdict import verdict
 
@@ -128,7 +128,7 @@ def _level(rates, c1_ms, by, busy=None):
     for rate, c1 in zip(rates, c1_ms, strict=True):
         r = {"rate": rate, "p50_ms": 10.0, "p99_ms": 20.0, "c1_p50_ms": c1, "errors": 0, "served_by": by}
         r |= {"server_cpu_cores": 1.5, "machine_busy_pct": 90.0, "serving_cpu_pct": {"7": 80.0}, "failure": ""}
-        r |= {"client_cpu_cores": 0.3, "client_busiest_pct": 30.0}
+        r |= {"client_cpu_cores": 0.3, "client_busiest_pct": 30.0, "thread_us": {"loop": c1 * 100, "runs": 40.0}}
         if busy is not None:
             r["gpu_busy_pct"] = busy
         rounds.append(r)
@@ -217,6 +217,16 @@ def test_grpc_answers_name_no_process_and_no_gpu_reads_na():
     assert row_line("fp32 x2", row).endswith("| n/a | 1.50 cores (machine 90 %) | 0.30 cores (30 %) | n/a |")
 
 
+def test_a_levels_cpu_per_request_by_kind_of_thread_is_the_median_of_its_rounds():
+    _, rows = _canned_cpu([1100.0, 1100.0, 1080.0])
+    assert rows["fp32 x1"]["thread_us"] == {"loop": pytest.approx(50.0), "runs": 40.0}  # c=1 0.5, 0.6, 0.4 x 100
+
+
+def test_a_serving_processs_threads_are_told_apart_by_their_os_names():
+    kinds = [thread_kind(n) for n in ("mha-loop", "run:mha-h8-d512", "ort:mha-h8-d512", "ray::IDLE", "mha-loop2")]
+    assert kinds == ["loop", "runs", "ort", "other", "other"]
+
+
 def test_machine_ticks_and_gpu_samples():
     assert machine_ticks("cpu  10 0 5 80 5 0 0 0 0 0\ncpu0 1 2 3 4\n") == (15, 100)
     gpu = GpuSampler(enabled=False)
@@ -240,4 +250,6 @@ def test_a_short_run_serves_both_levels_and_both_processes_answer(tiny_models_di
     for row in levels.values():
         assert row["rate"] > 0 and row["errors"] == 0 and row["failure"] == "", row
     assert len([who for who in levels["fp32 x2"]["shares"] if who]) == 2, levels["fp32 x2"]["shares"]
+    for row in levels.values():  # the loop and the run threads are named in every serving process, and busy
+        assert row["thread_us"]["loop"] > 0 and row["thread_us"]["runs"] > 0, row["thread_us"]
     assert "| fp32 x2 |" in run.stdout and "the bar:" in run.stdout

@@ -87,6 +87,15 @@ def thread_cpu(pid: int) -> dict[int, float]:
     return out
 
 
+def thread_names(pid: int) -> dict[int, str]:
+    """The OS name of each thread of one process (/proc/PID/task/TID/comm), by thread id."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            out[int(task.name)] = (task / "comm").read_text().strip()
+    return out
+
+
 def py_spy() -> str:
     """The py-spy executable: on PATH, or the venv's beside this Python (the venv unactivated)."""
     return shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")

@@ -51,7 +51,8 @@ def summary(levels: list[Level], got: dict[str, dict], bare: dict[str, dict]) ->
     """Per level (by label), from the joined c=1 and loaded sides of one `rounds` run (`got`) and bare ORT's per
     precision (`bare`): medians over the rounds; the rate over bare ORT's batched rate and over the same precision's
     fewest processes, and c=1 p50 less bare batch-1 p50, each a median of the round-by-round ratios; the answers'
-    shares per serving process over every round; each serving process's CPU (median over the rounds it was in)."""
+    shares per serving process over every round; each serving process's CPU (median over the rounds it was in); the
+    serving processes' CPU per request by kind of thread (median over the rounds)."""
     out = {}
     for level in levels:
         run, ref = got[level.label], bare[level.precision]
@@ -59,9 +60,12 @@ def summary(levels: list[Level], got: dict[str, dict], bare: dict[str, dict]) ->
         base = got[Level(level.precision, fewest, level.variant).label]
         counts = sum((Counter(r.get("served_by", {})) for r in run["rounds"]), Counter())
         per_pid: dict[str, list[float]] = {}
+        per_kind: dict[str, list[float]] = {}
         for r in run["rounds"]:
             for pid, pct in r.get("serving_cpu_pct", {}).items():
                 per_pid.setdefault(pid, []).append(pct)
+            for kind, us in r.get("thread_us", {}).items():
+                per_kind.setdefault(kind, []).append(us)
         keys = ("rate", "p50_ms", "p99_ms", "c1_p50_ms", "errors", "server_cpu_cores", "machine_busy_pct")
         row = {k: run[k] for k in keys if k in run}
         row |= {k: run[k] for k in ("client_cpu_cores", "client_busiest_pct", "gpu_busy_pct") if k in run}
@@ -81,6 +85,7 @@ def summary(levels: list[Level], got: dict[str, dict], bare: dict[str, dict]) ->
             "bare_p50_ms": ref["p50_ms"],
             "shares": shares(dict(counts)),
             "serving_cpu_pct": sorted((median(v) for v in per_pid.values()), reverse=True),
+            "thread_us": {kind: median(v) for kind, v in per_kind.items()},
             "failure": next((f for r in run["rounds"] if (f := r.get("failure") or r.get("c1_failure"))), ""),
         }
         out[level.label] = row

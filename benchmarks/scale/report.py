@@ -78,6 +78,13 @@ def printed(bare: dict[str, dict], rows: dict[str, dict], lines: list[BarLine], 
     print("\nserving process CPU (% of a core, median over the rounds):")
     for label, row in rows.items():
         print(f"  {label}: {', '.join(f'{pct:.0f}' for pct in row['serving_cpu_pct'])}")
+    print(
+        "\nserving processes' CPU per request by thread, us (all processes, median over the rounds): loop = the event "
+        "loop (HTTP, gRPC, handlers); runs = the models' run threads (batch, ORT call, the wait for the GPU); ort = "
+        "ORT's and CUDA's threads; other = Ray's and the rest"
+    )
+    for label, row in rows.items():
+        print(f"  {label}: {', '.join(f'{kind} {us:.0f}' for kind, us in row.get('thread_us', {}).items())}")
     print("\nthe bar:")
     for line in lines:
         print(f"  {line.text}")

@@ -1,5 +1,6 @@
-"""What a window costs the machine: CPU of the server's process tree and of each serving process (/proc), the whole
-machine's busy share (/proc/stat), and the GPU's busy share sampled by `nvidia-smi -lms 200` where there is one."""
+"""What a window costs the machine: CPU of the server's process tree and of each serving process (/proc), the serving
+processes' CPU by kind of thread (their OS names), the whole machine's busy share (/proc/stat), and the GPU's busy
+share sampled by `nvidia-smi -lms 200` where there is one."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks.harness.processes import command_line, cpu_seconds
+from benchmarks.harness.processes import command_line, cpu_seconds, thread_cpu, thread_names
+from service.thread_names import ENGINE, LOOP, RUNS
 
 INGRESS = "ServeReplica:mha:ingress"  # a serving process's title (Ray names a replica's worker by its actor)
+THREAD_KINDS = ("loop", "runs", "ort", "other")  # a serving process's threads, told apart by thread_kind
 GPU_QUERY = ["--query-gpu=utilization.gpu", "--format=csv,noheader,nounits", "-lms", "200"]
 
 
@@ -22,6 +25,26 @@ def tree_cpu(pids: list[int]) -> dict[int, float]:
     for pid in pids:
         with contextlib.suppress(OSError, IndexError, ValueError):  # gone meanwhile
             out[pid] = cpu_seconds(pid)
+    return out
+
+
+def thread_kind(name: str) -> str:
+    """A serving process's thread by its OS name (service/thread_names.py): the event loop (HTTP, gRPC, handlers), a
+    model's run threads (batch, ORT call, the wait for the GPU), the threads ORT and CUDA started for a model, or
+    other (Ray's, gRPC's, Python's)."""
+    if name == LOOP:
+        return "loop"
+    if name.startswith(RUNS):
+        return "runs"
+    return "ort" if name.startswith(ENGINE) else "other"
+
+
+def threads_cpu(pids: list[int]) -> dict[tuple[int, int], float]:
+    """CPU seconds so far of every thread of `pids`, by (pid, thread id)."""
+    out = {}
+    for pid in pids:
+        with contextlib.suppress(OSError):  # gone meanwhile
+            out |= {(pid, tid): cpu for tid, cpu in thread_cpu(pid).items()}
     return out
 
 
@@ -44,16 +67,26 @@ class CpuWindow:
 
     def begin(self) -> None:
         self._t, self._cpu, self._ticks = time.monotonic(), tree_cpu(self.pids), machine_ticks()
+        self._threads = threads_cpu(self.serving)
 
     def end(self) -> dict:
         """`server_cpu_cores` (the tree's CPU seconds per second), `serving_cpu_pct` (each serving process's, in %
-        of one core, by PID) and `machine_busy_pct` (every core's time busy, anyone's work)."""
+        of one core, by PID), `thread_cpu_s` (the serving processes' CPU seconds by kind of thread, THREAD_KINDS) and
+        `machine_busy_pct` (every core's time busy, anyone's work)."""
         wall, cpu, (busy, total) = time.monotonic() - self._t, tree_cpu(self.pids), machine_ticks()
+        threads, names = threads_cpu(self.serving), {}
+        for pid in self.serving:
+            with contextlib.suppress(OSError):
+                names |= {(pid, tid): name for tid, name in thread_names(pid).items()}
         used = {pid: cpu[pid] - self._cpu[pid] for pid in cpu if pid in self._cpu}
+        kinds = dict.fromkeys(THREAD_KINDS, 0.0)
+        for key, seconds in threads.items():  # a thread started within the window counts from 0
+            kinds[thread_kind(names.get(key, ""))] += seconds - self._threads.get(key, 0.0)
         busy0, total0 = self._ticks
         return {
             "server_cpu_cores": sum(used.values()) / wall,
             "serving_cpu_pct": {str(pid): 100 * used.get(pid, 0.0) / wall for pid in self.serving},
+            "thread_cpu_s": kinds,
             "machine_busy_pct": 100 * (busy - busy0) / max(1, total - total0),
         }
 

@@ -93,8 +93,9 @@ def started(server: ServerProcess, level: Level, name: str) -> dict:
 
 
 def window(pool: ClientPool, server: ServerProcess, gpu: GpuSampler, args, name: str, connections: int, seconds: float):
-    """One window of load on `server`: the clients' merged figures, the server's and machine's CPU over it, and the
-    GPU's mean busy share (with a sampler: nan if it took no sample)."""
+    """One window of load on `server`: the clients' merged figures, the server's and machine's CPU over it (the
+    serving processes' per request answered, by kind of thread: `thread_us`), and the GPU's mean busy share (with a
+    sampler: nan if it took no sample)."""
     port = server.port if args.protocol == "http" else server.grpc_port
     cpu = CpuWindow(server.processes())
     commands, start, deadline = pool.window(args.protocol, port, name, args.body, connections, seconds, WARMUP_S)
@@ -104,6 +105,8 @@ def window(pool: ClientPool, server: ServerProcess, gpu: GpuSampler, args, name:
     time.sleep(max(0.0, deadline - time.monotonic()))
     out = cpu.end()
     out.update(merged(pool.collect(len(commands), deadline), seconds))
+    answered = out["rate"] * seconds  # the serving processes' CPU per request answered, by kind of thread
+    out["thread_us"] = {kind: 1e6 * cpu_s / answered for kind, cpu_s in out.pop("thread_cpu_s").items() if answered}
     if gpu.present:
         busy = gpu.busy_pct(start, deadline)
         out["gpu_busy_pct"] = math.nan if busy is None else busy
