@@ -20,7 +20,7 @@ from benchmarks.scale.cli import parse_args
 from benchmarks.scale.figures import merged, percentile_ms, shares, summary
 from benchmarks.scale.levels import default_processes, parse_precisions, parse_processes, parse_variant, plan
 from benchmarks.scale.loops import Outcome, Tally, content_length, served_by
-from benchmarks.scale.report import row_line, table
+from benchmarks.scale.report import printed, row_line, table
 from benchmarks.scale.sample import GpuSampler, machine_ticks, thread_kind
 from benchmarks.scale.servers import serve_level
 from benchmarks.scale.verdict import verdict
@@ -83,6 +83,13 @@ def test_the_gpu_backend_without_cuda_is_one_line_and_exit_status_2_before_any_s
     with pytest.raises(SystemExit) as stopped:
         parse_args(["--backend", "gpu", "--model", "small"], cores=2)
     assert stopped.value.code == 2 and "CPU-only package" in capsys.readouterr().err
+
+
+def test_profile_without_py_spy_is_one_line_and_exit_status_2(capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr("benchmarks.scale.cli.py_spy", lambda: str(tmp_path / "no-py-spy"))
+    with pytest.raises(SystemExit) as stopped:
+        parse_args(["--profile", "--model", "small"], cores=2)
+    assert stopped.value.code == 2 and "--profile needs py-spy" in capsys.readouterr().err
 
 
 def test_a_head_names_its_serving_process_and_length_whatever_the_case():
@@ -220,6 +227,21 @@ def test_grpc_answers_name_no_process_and_no_gpu_reads_na():
 def test_a_levels_cpu_per_request_by_kind_of_thread_is_the_median_of_its_rounds():
     _, rows = _canned_cpu([1100.0, 1100.0, 1080.0])
     assert rows["fp32 x1"]["thread_us"] == {"loop": pytest.approx(50.0), "runs": 40.0}  # c=1 0.5, 0.6, 0.4 x 100
+    assert rows["fp32 x1"]["stages"] == {}  # not profiled
+
+
+def test_profiled_stages_are_medians_of_the_rounds_and_printed_in_microseconds_largest_first(capsys):
+    levels = plan(["fp32"], [1])
+    got = {"fp32 x1": _level([1000.0, 1100.0, 900.0], [0.5, 0.6, 0.4], {"a": 300})}
+    for r, (ort_run, metrics) in zip(got["fp32 x1"]["rounds"], [(0.5, 0.3), (0.6, 0.2), (0.7, 0.1)], strict=True):
+        r["stages"] = {"ORT run": ort_run, "metrics": metrics}
+    rows = summary(levels, got, {"fp32": _bare([2000.0] * 3, [0.2] * 3)})
+    assert rows["fp32 x1"]["stages"] == {"ORT run": pytest.approx(0.6), "metrics": pytest.approx(0.2)}
+    scan = {"p50_threads": 1, "best_layout": "1 x 2 threads", "best_batch": 8}
+    facts = {**CPU_FACTS, "rounds": 3, "seconds": 1.0, "protocol": "http", "clients": 1, "concurrency": 32}
+    printed({"fp32": {"scan": scan, **_bare([2000.0] * 3, [0.2] * 3)}}, rows, [], facts)
+    out = capsys.readouterr().out
+    assert "  fp32 x1: ORT run 54, metrics 18" in out  # of 50 + 40 us a request
 
 
 def test_a_serving_processs_threads_are_told_apart_by_their_os_names():

@@ -11,7 +11,7 @@ import signal
 import sys
 from pathlib import Path
 
-from benchmarks.harness.processes import signal_all
+from benchmarks.harness.processes import py_spy, signal_all
 from benchmarks.models import MODELS, ensure_model, ensure_variant
 from benchmarks.scale import bare as bare_ort
 from benchmarks.scale.clients import ClientPool
@@ -64,6 +64,12 @@ def parse_args(argv: list[str] | None, cores: int) -> argparse.Namespace:
         help="also serve every level with these model settings changed (service/config.py DeploymentSettings, e.g. "
         "block:gpu_wait=block), in the same rounds as the defaults; repeatable",
     )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="py-spy one serving process of each level through its loaded windows (without stopping it): its CPU by "
+        "stage of the request path (needs py-spy)",
+    )
     p.add_argument("--json", type=Path, help="also write every figure here")
     p.add_argument("--plot", type=Path, help="also draw requests/s against processes here (PNG)")
     args = p.parse_args(argv)
@@ -75,6 +81,8 @@ def parse_args(argv: list[str] | None, cores: int) -> argparse.Namespace:
             raise ValueError("--variant: each needs a name of its own")
     except ValueError as exc:
         p.error(str(exc))
+    if args.profile and not Path(py_spy()).is_file():
+        p.error("--profile needs py-spy (pip install py-spy): none on PATH or beside this Python")
     if args.rounds < 1 or args.seconds <= 0 or args.clients < 1 or args.concurrency < 1:
         p.error("--rounds, --clients and --concurrency must be at least 1 and --seconds above 0")
     if args.backend == "gpu":

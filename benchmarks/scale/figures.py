@@ -52,7 +52,8 @@ def summary(levels: list[Level], got: dict[str, dict], bare: dict[str, dict]) ->
     precision (`bare`): medians over the rounds; the rate over bare ORT's batched rate and over the same precision's
     fewest processes, and c=1 p50 less bare batch-1 p50, each a median of the round-by-round ratios; the answers'
     shares per serving process over every round; each serving process's CPU (median over the rounds it was in); the
-    serving processes' CPU per request by kind of thread (median over the rounds)."""
+    serving processes' CPU per request by kind of thread, and with --profile one's by stage (medians over the
+    rounds)."""
     out = {}
     for level in levels:
         run, ref = got[level.label], bare[level.precision]
@@ -61,11 +62,14 @@ def summary(levels: list[Level], got: dict[str, dict], bare: dict[str, dict]) ->
         counts = sum((Counter(r.get("served_by", {})) for r in run["rounds"]), Counter())
         per_pid: dict[str, list[float]] = {}
         per_kind: dict[str, list[float]] = {}
+        per_stage: dict[str, list[float]] = {}
         for r in run["rounds"]:
             for pid, pct in r.get("serving_cpu_pct", {}).items():
                 per_pid.setdefault(pid, []).append(pct)
             for kind, us in r.get("thread_us", {}).items():
                 per_kind.setdefault(kind, []).append(us)
+            for stage, share in r.get("stages", {}).items():
+                per_stage.setdefault(stage, []).append(share)
         keys = ("rate", "p50_ms", "p99_ms", "c1_p50_ms", "errors", "server_cpu_cores", "machine_busy_pct")
         row = {k: run[k] for k in keys if k in run}
         row |= {k: run[k] for k in ("client_cpu_cores", "client_busiest_pct", "gpu_busy_pct") if k in run}
@@ -86,6 +90,7 @@ def summary(levels: list[Level], got: dict[str, dict], bare: dict[str, dict]) ->
             "shares": shares(dict(counts)),
             "serving_cpu_pct": sorted((median(v) for v in per_pid.values()), reverse=True),
             "thread_us": {kind: median(v) for kind, v in per_kind.items()},
+            "stages": {stage: median(v) for stage, v in per_stage.items()},
             "failure": next((f for r in run["rounds"] if (f := r.get("failure") or r.get("c1_failure"))), ""),
         }
         out[level.label] = row

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole node's figures on a GPU machine, in one sitting of `python -m benchmarks.scale` (h8 d512):
 #   1. the rate: fp32 and fp16 served by GPU_PROCESSES (8,12) processes, CUDA's default wait against `gpu_wait:
-#      block`, in the same rounds: requests/s, fp16 / fp32, GPU busy, the CPU per request by thread;
+#      block`, in the same rounds: requests/s, fp16 / fp32, GPU busy, the CPU per request by thread (and by stage
+#      of the request path where py-spy is there to run);
 #   2. one request at a time: fp16 by 8 processes, the defaults against `inline_on_gpu` and against both levers,
 #      in the same rounds: c=1 p50 over bare ORT (each lever apart: `block` may cost a wake-up that inline saves);
 #   then, when asked: RUN_MODES=1 ORT's run modes (plain, I/O binding, CUDA graphs); CPU=1 the CPU backend (the
@@ -42,8 +43,9 @@ if [ "${MPS:-0}" = 1 ]; then
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
   mkdir -p /tmp/mps /tmp/mps-log && nvidia-cuda-mps-control -d && echo "MPS daemon started"
 fi
+profile=""; command -v py-spy > /dev/null && profile=--profile
 scale scale_gpu "${GPU_S:-330}" --backend gpu --model default --precision fp32,fp16 \
-  --processes "${GPU_PROCESSES:-8,12}" --variant block:gpu_wait=block --concurrency 64 --seconds 4 \
+  --processes "${GPU_PROCESSES:-8,12}" --variant block:gpu_wait=block --concurrency 64 --seconds 4 $profile \
   --plot "$out/scale_gpu.png"
 scale scale_gpu_c1 "${C1_S:-150}" --backend gpu --model default --precision fp16 --processes 8 \
   --variant inline:inline_on_gpu=true --variant both:gpu_wait=block,inline_on_gpu=true --concurrency 64 --seconds 3

@@ -85,6 +85,12 @@ def printed(bare: dict[str, dict], rows: dict[str, dict], lines: list[BarLine], 
     )
     for label, row in rows.items():
         print(f"  {label}: {', '.join(f'{kind} {us:.0f}' for kind, us in row.get('thread_us', {}).items())}")
+    if any(row.get("stages") for row in rows.values()):
+        print("\none serving process's CPU per request by stage (py-spy; us from the processes' CPU per request):")
+        for label, row in rows.items():
+            per_request = sum(row.get("thread_us", {}).values())
+            stages = sorted(row.get("stages", {}).items(), key=lambda kv: -kv[1])
+            print(f"  {label}: {', '.join(f'{stage} {share * per_request:.0f}' for stage, share in stages)}")
     print("\nthe bar:")
     for line in lines:
         print(f"  {line.text}")

@@ -18,9 +18,11 @@ from benchmarks.scale.levels import Level
 from benchmarks.scale.sample import CpuWindow, GpuSampler, serving_processes
 from benchmarks.serving.requests import request_bodies
 from benchmarks.serving.rounds import WARMUP_S, Side
+from benchmarks.serving.stages import recorded_shares, start_recording
 from loadtest.http_client import load, post_bytes
 from service.ingress import SERVED_BY
 
+PROFILE_RATE = 100  # py-spy samples a second of one serving process (--profile): a light touch on the figures
 START_TIMEOUT_S = 300  # N processes each loading the model (on the GPU, each its own CUDA context)
 
 
@@ -94,17 +96,20 @@ def started(server: ServerProcess, level: Level, name: str) -> dict:
 
 def window(pool: ClientPool, server: ServerProcess, gpu: GpuSampler, args, name: str, connections: int, seconds: float):
     """One window of load on `server`: the clients' merged figures, the server's and machine's CPU over it (the
-    serving processes' per request answered, by kind of thread: `thread_us`), and the GPU's mean busy share (with a
-    sampler: nan if it took no sample)."""
+    serving processes' per request answered, by kind of thread: `thread_us`), the GPU's mean busy share (with a
+    sampler: nan if it took no sample); with --profile, one serving process's CPU by stage (`stages`, py-spy)."""
     port = server.port if args.protocol == "http" else server.grpc_port
     cpu = CpuWindow(server.processes())
     commands, start, deadline = pool.window(args.protocol, port, name, args.body, connections, seconds, WARMUP_S)
     pool.send(commands)
     time.sleep(max(0.0, start - time.monotonic()))
     cpu.begin()
+    spy = start_recording(cpu.serving[0], seconds, PROFILE_RATE) if args.profile and connections > 1 else None
     time.sleep(max(0.0, deadline - time.monotonic()))
     out = cpu.end()
     out.update(merged(pool.collect(len(commands), deadline), seconds))
+    if spy is not None:
+        out["stages"] = recorded_shares(*spy)
     answered = out["rate"] * seconds  # the serving processes' CPU per request answered, by kind of thread
     out["thread_us"] = {kind: 1e6 * cpu_s / answered for kind, cpu_s in out.pop("thread_cpu_s").items() if answered}
     if gpu.present:

@@ -65,22 +65,35 @@ def table(shares: dict[str, float], cpu_ms_per_request: float | None = None) -> 
     return "\n".join(lines)
 
 
+def start_recording(pid: int, seconds: float, rate: int = 200) -> tuple[subprocess.Popen, Path]:
+    """py-spy sampling process `pid` `rate` times a second for `seconds` (at least 1) without stopping it, into a raw
+    file; OSError if there is no py-spy."""
+    raw = Path(tempfile.mkdtemp(prefix="mha-profile-")) / "py-spy.txt"
+    cmd = [py_spy(), "record", "-p", str(pid), "-d", str(max(1, int(seconds))), "-r", str(rate), "-f", "raw"]
+    spy = subprocess.Popen([*cmd, "-o", str(raw), "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return spy, raw
+
+
+def recorded_shares(spy: subprocess.Popen, raw: Path) -> dict[str, float]:
+    """A recording's stage shares once py-spy has ended; empty if it failed (it says why on stderr)."""
+    _, err = spy.communicate(timeout=60)
+    if not raw.is_file():
+        print(f"py-spy failed: {err.decode(errors='replace').strip()[-300:]}", file=sys.stderr)
+        return {}
+    return stage_shares(raw.read_text())
+
+
 def loaded_stages(port: int, name: str, seconds: float, concurrency: int, pid: int) -> dict:
     """Process `pid`'s CPU per request by stage (py-spy) while one model is served at c=`concurrency` for `seconds`;
     empty if py-spy failed (it says why on stderr)."""
     requests = [post_bytes(f"/v2/models/{name}/infer", b) for b in request_bodies(64)]
     load(port, requests, concurrency, WARMUP_S)
-    raw = Path(tempfile.mkdtemp(prefix="mha-profile-")) / "py-spy.txt"
-    cmd = [py_spy(), "record", "-p", str(pid), "-d", str(int(seconds)), "-r", "200", "-f", "raw", "-o", str(raw)]
-    spy = subprocess.Popen([*cmd, "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    spy, raw = start_recording(pid, seconds)
     cpu_before = cpu_seconds(pid)
     loaded: LoadResult = load(port, requests, concurrency, seconds)
     cpu_ms = (cpu_seconds(pid) - cpu_before) * 1e3 / max(1, loaded.requests + loaded.errors)
-    _, err = spy.communicate(timeout=60)
-    if not raw.is_file():
-        print(f"py-spy failed: {err.decode(errors='replace').strip()[-300:]}", file=sys.stderr)
-        return {}
-    return {"cpu_ms_per_request": cpu_ms, "shares": stage_shares(raw.read_text())}
+    shares = recorded_shares(spy, raw)
+    return {"cpu_ms_per_request": cpu_ms, "shares": shares} if shares else {}
 
 
 def profiled(server: ServerProcess, names: dict[str, str], args, run: dict, others: list) -> None:
