@@ -3,6 +3,7 @@ request, and clean SIGTERM shutdown."""
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 
@@ -71,6 +72,14 @@ def test_num_replicas_with_the_api_port_is_refused_in_one_line_naming_processes(
         "`processes`; "
         "set num_replicas 1, no autoscaling"
     )
+
+
+def test_more_serving_processes_than_cores_is_one_line_and_exit_2_before_ray_starts(tiny_models_dir, capsys):
+    cores = len(os.sched_getaffinity(0))
+    args = ["--models", str(tiny_models_dir), "--port", str(free_port()), "--processes", str(cores + 1)]
+    assert launcher.main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"{cores + 1} serving processes" in err and f"{cores} cores" in err, err
 
 
 def test_config_file_with_a_misspelt_setting_is_refused(tiny_models_dir, tmp_path, capsys):

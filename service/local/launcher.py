@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from service.config import AppConfig
+from service.config import AppConfig, default_processes
 from service.errors import ModelFileError
 from service.local import ports, supervisor
 from service.local.arguments import (
@@ -72,7 +72,16 @@ def local_config(config: AppConfig, opts: LocalServe) -> AppConfig:
         if opts.processes is not None:
             ingress["processes"] = opts.processes
     raw["ingress"] = ingress
-    return validated(raw)
+    local = validated(raw)
+    cores = len(os.sched_getaffinity(0))
+    if local.ingress.on_own_ports and (processes := local.ingress.process_count()) > cores:
+        # Each is a Python process with its own engines; past one per core they only contend (and a typo of a few
+        # zeros would start thousands).
+        raise LaunchError(
+            f"{processes} serving processes (--processes, ingress.processes) on this machine's {cores} cores: at most "
+            f"one per core (the default is one per two cores: {default_processes(cores)})"
+        )
+    return local
 
 
 def checked(config: AppConfig) -> list[str]:
