@@ -165,7 +165,9 @@ class StopAfter:
         return self.left < 0
 
 
-def test_the_load_client_retries_refused_connections_and_503s_but_not_timeouts_or_404s(tmp_path):
+def test_the_load_client_retries_refused_connections_503s_and_a_way_ins_404_but_not_timeouts_or_the_services_404s(
+    tmp_path,
+):
     seen: dict[str, int] = {}
 
     def answer(request: httpx.Request) -> httpx.Response:
@@ -177,9 +179,13 @@ def test_the_load_client_retries_refused_connections_and_503s_but_not_timeouts_o
             raise httpx.ReadTimeout("no answer", request=request)
         if model == "busy" and seen[model] == 1:
             return httpx.Response(503)
-        return httpx.Response(404 if model == "missing" else 200)
+        if model == "routing" and seen[model] == 1:  # HAProxy before it has its routes
+            return httpx.Response(404, text="Path '/v1/models/routing/predict' not found.")
+        if model == "missing":  # the service's own: JSON
+            return httpx.Response(404, json={"error": "model 'missing' is not served"})
+        return httpx.Response(200)
 
-    models = ("refused", "busy", "slow", "missing")
+    models = ("refused", "busy", "slow", "missing", "routing")
     plan = LoadPlan("http://127.0.0.1:9", models, 1000.0, 1.0, 2, 0.001, time.monotonic(), tmp_path / "r.csv")
 
     async def run() -> list:
@@ -194,6 +200,7 @@ def test_the_load_client_retries_refused_connections_and_503s_but_not_timeouts_o
         "busy": ("503", "200", 2),
         "slow": ("timeout", "timeout", 1),
         "missing": ("404", "404", 1),
+        "routing": ("404 not JSON", "200", 2),
     }
 
 

@@ -20,10 +20,12 @@ import httpx
 
 from benchmarks.cluster_faults.analysis import Record, write_records
 
-# A connection that failed (refused, reset, closed before an answer) and the answers of a proxy or service that has
-# lost what it was talking to (500, 502, 503): retried. Inference is idempotent, so a retry is safe even when the
-# first attempt did reach a model. A timeout is not retried: the client has already waited its limit.
-RETRYABLE = frozenset({"connect_error", "reset", "closed", "500", "502", "503"})
+# A connection that failed (refused, reset, closed before an answer), the answers of a proxy or service that has
+# lost what it was talking to (500, 502, 503), and a 404 that is not the service's JSON (a way in that does not know
+# its routes yet: docs/operations.md): retried, as operations.md tells clients to. Inference is idempotent, so a retry
+# is safe even when the first attempt did reach a model. A timeout is not retried: the client has waited its limit.
+WAY_IN_404 = "404 not JSON"
+RETRYABLE = frozenset({"connect_error", "reset", "closed", "500", "502", "503", WAY_IN_404})
 TEXTS = tuple(f"steady load through cluster faults, request kind {k}" for k in range(16))
 MAX_CONNECTIONS = 2000  # above the requests that can be in flight at the rate x the timeout (a stall holds them all)
 
@@ -63,7 +65,8 @@ class Load:
         try:
             async with asyncio.timeout(self.plan.timeout_s):
                 response = await self.client.post(url, content=body, headers={"Content-Type": "application/json"})
-            return str(response.status_code)
+            json_body = response.headers.get("content-type", "").startswith("application/json")
+            return WAY_IN_404 if response.status_code == 404 and not json_body else str(response.status_code)
         except (TimeoutError, httpx.TransportError, OSError) as exc:
             return outcome_of(exc)
 
