@@ -13,7 +13,7 @@ import yaml
 from pydantic import ValidationError
 
 from contract.repository import DEFAULT_HEADER, TOKEN_ENV
-from service.config import INGRESS_NAME, AppConfig
+from service.config import INGRESS_NAME, AppConfig, default_processes
 
 DESCRIPTION = (
     "`mha-serving serve`: an embedded local Ray, Serve on host:port, the application from `build_app`, then block."
@@ -120,3 +120,16 @@ def validated(raw: dict) -> AppConfig:
         where = ".".join(str(p) for p in first["loc"])
         message = first["msg"].removeprefix("Value error, ")
         raise LaunchError(f"invalid config: {where + ': ' if where else ''}{message}") from exc
+
+
+def within_cores(config: AppConfig) -> AppConfig:
+    """`config`, if its serving processes on the ingress's own ports fit this machine: at most one per core. Each is
+    a Python process with its own engines; past one per core they only contend (and a typo of a few zeros would
+    start thousands)."""
+    cores = len(os.sched_getaffinity(0))
+    if config.ingress.on_own_ports and (processes := config.ingress.process_count()) > cores:
+        raise LaunchError(
+            f"{processes} serving processes (--processes, ingress.processes) on this machine's {cores} cores: at most "
+            f"one per core (the default is one per two cores: {default_processes(cores)})"
+        )
+    return config

@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from service.config import AppConfig, default_processes
+from service.config import AppConfig
 from service.errors import ModelFileError
 from service.local import ports, supervisor
 from service.local.arguments import (
@@ -25,6 +25,7 @@ from service.local.arguments import (
     load_config,
     parse_args,
     validated,
+    within_cores,
 )
 from service.local.drain import drain, stop_ray
 from service.local.ray_env import set_ray_env
@@ -72,16 +73,7 @@ def local_config(config: AppConfig, opts: LocalServe) -> AppConfig:
         if opts.processes is not None:
             ingress["processes"] = opts.processes
     raw["ingress"] = ingress
-    local = validated(raw)
-    cores = len(os.sched_getaffinity(0))
-    if local.ingress.on_own_ports and (processes := local.ingress.process_count()) > cores:
-        # Each is a Python process with its own engines; past one per core they only contend (and a typo of a few
-        # zeros would start thousands).
-        raise LaunchError(
-            f"{processes} serving processes (--processes, ingress.processes) on this machine's {cores} cores: at most "
-            f"one per core (the default is one per two cores: {default_processes(cores)})"
-        )
-    return local
+    return within_cores(validated(raw))
 
 
 def checked(config: AppConfig) -> list[str]:
