@@ -22,7 +22,7 @@ from benchmarks.cluster_faults.application import faults_config
 from benchmarks.cluster_faults.faults import FAULTS, FaultRunError, Run, drive
 from benchmarks.cluster_faults.load import LoadPlan
 from benchmarks.cluster_faults.report import MACHINE, keep_logs, report
-from benchmarks.harness.cluster import LocalCluster
+from benchmarks.harness.cluster import LocalCluster, way_in
 from benchmarks.models import ensure_model
 from contract.metadata import MODEL_FILE
 
@@ -85,8 +85,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if any("=" not in e for e in args.env):
         p.error("--env takes KEY=VALUE")
-    # As LocalCluster.proxy_class reads it: HAProxy (the pods' setting) unless --env sets anything but 1
-    serve_proxy = dict(e.split("=", 1) for e in args.env).get("RAY_SERVE_ENABLE_HA_PROXY", "1") != "1"
+    serve_proxy = way_in(dict(e.split("=", 1) for e in args.env)) == "ProxyActor"
     chosen = (
         args.faults if args.faults is not None else ",".join(f for f in FAULTS if f != "haproxy" or not serve_proxy)
     )

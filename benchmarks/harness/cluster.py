@@ -36,6 +36,14 @@ SERVE_CONFIG = ROOT / "deploy" / "serve_config.yaml"
 NODE_MARKER = "MHA_LOCAL_CLUSTER_NODE"
 
 
+def way_in(extra_env: dict[str, str]) -> str:
+    """The actor class of a node's way in on a cluster started with `extra_env` over the pods' settings: the manager
+    of HAProxy where Serve's HAProxy ingress stays on (the pods' setting: any value but 1 turns it off), else Serve's
+    proxy."""
+    on = {**CLUSTER_RAY_ENV, **extra_env}.get("RAY_SERVE_ENABLE_HA_PROXY") == "1"
+    return "HAProxyManager" if on else "ProxyActor"
+
+
 @dataclass
 class Node:
     """One `ray start --block` process (its Ray processes are its descendants) and its own temp dir."""
@@ -77,7 +85,7 @@ class LocalCluster:
     def proxy_class(self) -> str:
         """The actor class of a node's way in: the manager of HAProxy where Serve's HAProxy ingress is on (the pods'
         setting), else Serve's proxy."""
-        return "HAProxyManager" if self.env.get("RAY_SERVE_ENABLE_HA_PROXY") == "1" else "ProxyActor"
+        return way_in(self.extra_env)
 
     @property
     def dashboard(self) -> str:
