@@ -118,7 +118,12 @@ def test_a_route_reload_reaches_every_process(server):
     _write(server.config, server.models_dir, {"mha-h2-d32": 0, "mha-h4-d32": 1})
     server.proc.send_signal(signal.SIGHUP)
     deadline = time.monotonic() + 60
-    while {model for _, model in server.answers(ROUTE, 10)} != {"mha-h4-d32"}:
+
+    def both_reloaded() -> bool:  # each process installs the routes in turn: wait until both answered with the new
+        answers = server.answers(ROUTE, 10)
+        return len({who for who, _ in answers}) == 2 and {model for _, model in answers} == {"mha-h4-d32"}
+
+    while not both_reloaded():
         assert time.monotonic() < deadline, server.log.read_text()
         time.sleep(0.5)
     answers = server.answers(ROUTE, 40)
