@@ -215,7 +215,8 @@ async def _read_lean_response(reader: asyncio.StreamReader) -> tuple[int, bytes]
     return status, await reader.readexactly(length)
 
 
-def _read_response_blocking(stream: BinaryIO) -> tuple[int, bytes]:
+def read_response(stream: BinaryIO) -> tuple[int, bytes]:
+    """One HTTP/1.1 answer read from a blocking buffered stream (`socket.makefile("rb")`): its status and body."""
     head = b""
     while not head.endswith(b"\r\n\r\n"):
         line = stream.readline()
@@ -258,7 +259,7 @@ def _one_connection(port: int, requests: list[bytes], deadline: float) -> list:
         i = 0
         while (start := time.perf_counter()) < deadline:
             sock.sendall(requests[i % len(requests)])
-            status, _ = _read_response_blocking(stream)
+            status, _ = read_response(stream)
             end = time.perf_counter()
             out.append((status, end - start, end))
             i += 1

@@ -1,9 +1,10 @@
 """The ingress's own HTTP server and the one uvicorn adapter (service/http/uvicorn_adapter.py) on a real uvicorn on
 loopback: heads over the limits refused as they arrive, slow heads and silent connections cut at header_timeout_s,
-idle keep-alive bounded, connections over the cap refused, each counted; a request cancelled when its client
-leaves, requests in progress counted from their head, the replica's signals left alone; a response's writes
-coalesced into one send. Each test fails when the adapter's hook into uvicorn stops engaging. The whole service:
-tests/test_reliability.py and tests/test_slow_heads.py."""
+pipelined heads measured from their own first byte and refused after the answers before them, idle keep-alive
+bounded, connections over the cap refused, each counted; a request cancelled when its client leaves, requests in
+progress counted from their head, the replica's signals left alone; a response's writes coalesced into one send.
+Each test fails when the adapter's hook into uvicorn stops engaging. The whole service: tests/test_reliability.py
+and tests/test_slow_heads.py."""
 
 from __future__ import annotations
 
@@ -131,6 +132,51 @@ def test_a_head_over_the_limit_is_refused_with_a_json_431_before_it_all_arrives(
     assert many.startswith(b"HTTP/1.1 431") and b"more than 8 request headers" in many
 
 
+def test_a_pipelined_head_split_across_reads_is_measured_from_its_own_first_byte():
+    """HTTP/1.1 pipelining: a request's last bytes and the start of the next one's head arrive in one read. Only
+    the head's own bytes count towards max_header_bytes: both requests are answered, in order."""
+
+    async def scenario() -> bytes:
+        _, port = await _serve(_ok)
+        body = b"x" * 1000  # under max_body_bytes (1024), and with the next head's start over max_header_bytes
+        second = b"GET /second HTTP/1.1\r\nHost: x\r\n\r\n"
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /first HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n" + body + second[:12])
+        await asyncio.sleep(0.2)  # the rest of the second head in a read of its own
+        writer.write(second[12:])
+        answers = b""
+        while answers.count(b"{}") < 2 and (chunk := await asyncio.wait_for(reader.read(65536), 5)):
+            answers += chunk
+        writer.close()
+        return answers
+
+    answers = asyncio.run(scenario())
+    assert answers.count(b"HTTP/1.1 200 OK") == 2 and b"431" not in answers, answers
+
+
+def test_a_pipelined_head_over_the_limit_is_refused_after_the_answers_before_it():
+    """A head over the limits behind a request still in progress on its connection: that request is answered
+    first, then the refusal, then the connection closes (answers keep their requests' order)."""
+
+    async def scenario() -> bytes:
+        async def slow(scope, receive, send):
+            await asyncio.sleep(0.3)  # still in progress when the next head is refused
+            await _ok(scope, receive, send)
+
+        _, port = await _serve(slow)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        big = b"GET /second HTTP/1.1\r\nX-Big: " + b"a" * 4096 + b"\r\n\r\n"
+        writer.write(b"GET /first HTTP/1.1\r\nHost: x\r\n\r\n" + big)
+        answer, _ = await _until_closed(reader, 5)
+        writer.close()
+        return answer
+
+    answer = asyncio.run(scenario())
+    first, _, rest = answer.partition(b"{}")
+    assert first.startswith(b"HTTP/1.1 200 OK"), answer[:300]
+    assert rest.startswith(b"HTTP/1.1 431") and b"over the limit of 1024 bytes" in rest, answer[:400]
+
+
 def test_expect_100_continue_for_a_body_over_the_limit_gets_413_and_no_100_continue():
     async def scenario() -> bytes:
         _, port = await _serve(_ok)
@@ -227,6 +273,26 @@ def test_a_trickled_head_is_cut_at_header_timeout_s_with_a_json_408_and_counted(
     assert head.startswith(b"HTTP/1.1 408") and b"connection: close" in head.lower(), answer[:300]
     assert json.loads(body)["error"].startswith("the request head did not arrive within 1 s (")
     assert 1.0 <= seconds < 2.0 and timeouts == 1, seconds
+
+
+def test_a_pipelined_head_cut_at_header_timeout_s_gets_its_408_after_the_answer_before_it():
+    async def scenario() -> tuple[bytes, float]:
+        async def slow(scope, receive, send):
+            await asyncio.sleep(1.5)  # still in progress when the next head's time is up
+            await _ok(scope, receive, send)
+
+        _, port = await _serve(slow, header_timeout_s=1.0)
+        opened = time.perf_counter()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /first HTTP/1.1\r\nHost: x\r\n\r\nGET /second HTTP/1.1\r\nX-Slow: ")
+        answer, seconds = await _until_closed(reader, 5, opened)
+        writer.close()
+        return answer, seconds
+
+    answer, seconds = asyncio.run(scenario())
+    first, _, rest = answer.partition(b"{}")
+    assert first.startswith(b"HTTP/1.1 200 OK") and rest.startswith(b"HTTP/1.1 408"), answer[:400]
+    assert 1.5 <= seconds < 3.0, seconds
 
 
 def test_a_connection_that_sends_nothing_is_closed_without_an_answer_at_header_timeout_s():

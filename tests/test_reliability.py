@@ -28,7 +28,7 @@ import pytest
 from benchmarks.harness.processes import descendants, memory_kib
 from benchmarks.harness.server import ServerProcess
 from benchmarks.harness.sockets import tcp_sockets
-from loadtest.http_client import post_bytes
+from loadtest.http_client import post_bytes, read_response
 
 pytestmark = [pytest.mark.serve, pytest.mark.slow]
 PREDICT = "/v1/models/mha-h2-d32/predict"
@@ -391,6 +391,36 @@ def test_an_error_answer_keeps_the_connection_for_the_next_request(server):
         conn.close()
     assert answers == [(404, None), (400, None), (200, None)]
     assert len(sockets) == 1 and None not in sockets
+
+
+def test_pipelined_requests_are_all_answered_in_order_whatever_their_bodies_size(server):
+    """HTTP/1.1 pipelining: 40 v2 requests on one connection, sent without waiting for answers, every other one with
+    a 100 kB body, each write ending a few bytes into the next head (so a read holds a body's end and a head's start):
+    each answered 200, in the order sent."""
+    requests = []
+    for i in range(40):
+        body = {"id": str(i), "inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": [f"t {i}"]}]}
+        raw = json.dumps(body).encode() + (b" " * 100_000 if i % 2 == 0 else b"")
+        requests.append(post_bytes("/v2/models/mha-h2-d32/infer", raw))
+    stream_bytes = b"".join(requests)
+    cuts = list(itertools.accumulate(len(r) for r in requests[:-1]))  # where each next request begins
+    pieces = [stream_bytes[a:b] for a, b in itertools.pairwise([0, *(c + 10 for c in cuts), len(stream_bytes)])]
+
+    def send_in_pieces(sock: socket.socket) -> None:
+        for piece in pieces:
+            sock.sendall(piece)
+            time.sleep(0.02)
+
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
+        writer = threading.Thread(target=send_in_pieces, args=(sock,))
+        writer.start()
+        stream = sock.makefile("rb")
+        answers = []
+        for _ in requests:
+            status, body = read_response(stream)
+            answers.append((status, json.loads(body).get("id") if status == 200 else body[:200]))
+        writer.join()
+    assert answers == [(200, str(i)) for i in range(40)], [a for a in answers if a[0] != 200][:3]
 
 
 def test_lone_requests_run_inline_are_counted_like_the_others_through_a_real_prometheus(server):

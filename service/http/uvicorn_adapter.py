@@ -1,8 +1,9 @@
 """The one adapter to uvicorn's internals, for the ingress's own server: its httptools protocol holding the head
-limits while a head arrives and the connection cap at accept (no public uvicorn option bounds a head's size or time,
-and its `limit_concurrency` counts only complete heads), counting requests in progress from their head (Load) and
-open connections, writing each response in one send, and cancelling a request whose client went away; and a server
-that leaves the process's signals to Ray. uvicorn and httptools are pinned to the tested range (pyproject.toml);
+limits while a head arrives (a pipelined one from its own first byte, refused after the answers before it) and the
+connection cap at accept (no public uvicorn option bounds a head's size or time, and its `limit_concurrency` counts
+only complete heads), counting requests in progress from their head (Load) and open connections, writing each
+response in one send, and cancelling a request whose client went away; and a server that leaves the process's
+signals to Ray. uvicorn and httptools are pinned to the tested range (pyproject.toml);
 tests/test_head_limits.py and tests/test_slow_heads.py fail when a hook stops engaging. No torch.
 """
 
@@ -93,7 +94,10 @@ class HeadLimitedProtocol(HttpToolsProtocol):
         self._in_head = False  # a request head has begun and is not complete yet
         self._head_bytes = 0  # its bytes as parsed (request target, headers)
         self._arrived = 0  # bytes received while it was incomplete
+        self._in_message = False  # the parser is inside a request (head or body)
+        self._begun = 0  # requests begun within the read being parsed
         self._refusal: ServiceError | None = None
+        self._deferred_linger: float | None = None  # a refusal waiting for the answers before it (pipelining)
         self._task: asyncio.Task | None = None  # the task running this connection's current request
         self.app = self._noting_task(self.app)
 
@@ -125,6 +129,8 @@ class HeadLimitedProtocol(HttpToolsProtocol):
             self._requests -= 1
             self.load.arrived -= 1
         super().on_response_complete()
+        if self._deferred_linger is not None and not self.transport.is_closing() and not self._answering():
+            self._refuse(self._deferred_linger)
 
     def connection_lost(self, exc: Exception | None) -> None:
         """The client went away: a request still unanswered is cancelled (its batch slot freed, counted as 499)."""
@@ -140,8 +146,14 @@ class HeadLimitedProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self._refusal is not None:
             return  # the rest of a refused request: dropped
+        continued, idle = self._in_head, not self._in_message
+        self._begun = 0
         super().data_received(data)  # an error raised by a callback below ends up in send_400_response
-        if self._in_head and self._refusal is None:
+        # The read is all the head's when it continues a head begun before it, or begins the only request in it on a
+        # connection between requests. With pipelining it may also hold an earlier request's end, not the head's:
+        # that head's bytes then count from its next read on (its complete header lines, as parsed, from the first).
+        whole = (continued and not self._begun) or (idle and self._begun == 1)
+        if self._in_head and self._refusal is None and whole:
             self._arrived += len(data)
             try:
                 check.check_head_bytes(self._arrived, self.limits)
@@ -156,6 +168,12 @@ class HeadLimitedProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._in_head, self._head_bytes, self._arrived = True, 0, 0
+        self._in_message = True
+        self._begun += 1
+
+    def on_message_complete(self) -> None:
+        self._in_message = False
+        super().on_message_complete()
 
     def on_url(self, url: bytes) -> None:
         self._head_bytes += len(url)
@@ -196,8 +214,12 @@ class HeadLimitedProtocol(HttpToolsProtocol):
 
     def _refuse(self, linger_s: float = LINGER_S) -> None:
         """Answer the refusal, then read and drop what the client still sends for `linger_s` before closing (sooner
-        if the client closes first)."""
+        if the client closes first). Behind requests of this connection still unanswered (pipelined), once their
+        answers are out: answers keep their requests' order."""
         self._disarm_head_timer()
+        self._deferred_linger = linger_s if self._answering() else None
+        if self._deferred_linger is not None:
+            return
         self.transport.write(raw_error_response(self._refusal))
         if self.transport.can_write_eof():
             self.transport.write_eof()
@@ -205,6 +227,10 @@ class HeadLimitedProtocol(HttpToolsProtocol):
 
     def _between_requests(self) -> bool:
         return self.cycle is None or self.cycle.response_complete
+
+    def _answering(self) -> bool:
+        """Whether a request of this connection is unanswered: in progress, or queued behind one (pipelined)."""
+        return bool(self.pipeline) or not self._between_requests()
 
     def _arm_head_timer(self) -> None:
         if not self.transport.is_closing():
@@ -217,11 +243,11 @@ class HeadLimitedProtocol(HttpToolsProtocol):
 
     def _head_timed_out(self) -> None:
         """No complete head within header_timeout_s of the connection's start, or of the first byte after the last
-        response: a 408 for a head begun, a plain close for silence or while an earlier response is still going
-        out (a 408 would land inside it)."""
+        response: a 408 for a head begun (pipelined behind a request still unanswered: after its answer), a plain
+        close for silence."""
         self._head_timer = None
         self.metrics.header_timeouts += 1
-        if self._in_head and self._between_requests():
+        if self._in_head:
             self._refusal = HeadTimeoutError(self.limits.header_timeout_s, self._arrived)
             self._refuse(SHORT_LINGER_S)
         else:
