@@ -157,6 +157,9 @@ def test_malformed_binary_bodies_get_a_400_and_the_server_keeps_serving(service)
         for case, (raw, headers, message) in MALFORMED.items():
             response = c.post(f"/v2/models/{NAME}/infer", content=raw, headers=headers)
             assert response.status_code == 400 and message in response.json()["error"], case
+        twice = [(LENGTH, "21"), (LENGTH, "22")]  # which one splits the body? neither: refused
+        response = c.post(f"/v2/models/{NAME}/infer", content=GOOD, headers=twice)
+        assert response.status_code == 400 and f"{LENGTH} given 2 times" in response.json()["error"]
         predict = c.post(f"/v1/models/{NAME}/predict", content=b"{}", headers={"Inference-Header-Content-Length": "2"})
         assert predict.status_code == 400 and "is for POST /v2/models/{name}/infer" in predict.json()["error"]
         ids = _ids(4, (1, 5))

@@ -58,7 +58,10 @@ async def v2_infer(plane: DataPlane, request: Request, name: str, version: str |
     """Open Inference Protocol v2 inference, JSON or binary tensor data, of a model or a route."""
     async with plane.admit(V2_INFER, name, request.headers.get(ROUTE_KEY), version) as call:
         raw = await read_body(request, plane.limits)
-        header, blob = binary.split(raw, request.headers.get(binary.HEADER))
+        lengths = request.headers.getlist(binary.HEADER)
+        if len(lengths) > 1:  # one value or none: another reader (a proxy) might take the other
+            raise BadRequestError(f"{binary.HEADER_NAME} given {len(lengths)} times: send it once")
+        header, blob = binary.split(raw, lengths[0] if lengths else None)
         body = parse_body(header, v2.InferRequest)
         binary.attach(body, blob)
         as_binary = binary.wants_binary(body)
