@@ -217,9 +217,10 @@ class HeadLimitedProtocol(HttpToolsProtocol):
         if the client closes first). Behind requests of this connection still unanswered (pipelined), once their
         answers are out: answers keep their requests' order."""
         self._disarm_head_timer()
-        self._deferred_linger = linger_s if self._answering() else None
-        if self._deferred_linger is not None:
+        if self._answering():
+            self._deferred_linger = linger_s  # on_response_complete refuses once the last of those answers is out
             return
+        self._deferred_linger = None
         self.transport.write(raw_error_response(self._refusal))
         if self.transport.can_write_eof():
             self.transport.write_eof()
