@@ -40,15 +40,17 @@ class RequestLimits(BaseModel):
         gt=0,
         description="the request line and headers must arrive within this of the connection's start (on a kept-alive "
         "connection: of the next request's first byte), however they trickle; else 408 and a close. A connection "
-        "that sends nothing is closed. Enforced by the ingress's own server (ingress.port)",
+        "that sends nothing is closed. Enforced by the ingress's own server (ingress.port; on ingress.grpc_port, "
+        "HTTP/2's preface and settings must arrive within it)",
     )
     max_connections: int = Field(
         4096,
         ge=8,
         description="open connections to the ingress's own server (ingress.port); one more is answered 503 with "
-        "Retry-After and closed. Keep it well under the replica's file descriptor limit (ulimit -n; 20,000 where it "
-        "was tested): Ray's own sockets, the model files and refusals still closing need the rest, and each "
-        "connection may hold a head of max_header_bytes",
+        "Retry-After and closed; as many again on ingress.grpc_port, where one more is closed at accept. Keep twice "
+        "it well under the replica's file descriptor limit (ulimit -n; 20,000 where it was tested): Ray's own "
+        "sockets, the model files and refusals still closing need the rest, and each connection may hold a head of "
+        "max_header_bytes",
     )
     drain_s: float = Field(
         8.0, ge=0, description="on SIGTERM: readiness 503 at once, requests in progress get this long to finish"

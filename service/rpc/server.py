@@ -53,6 +53,10 @@ class GrpcServer:
     def __init__(self, plane: DataPlane, host: str, port: int, limits: RequestLimits, shared: bool = False) -> None:
         options = [
             ("grpc.max_receive_message_length", limits.max_body_bytes),
+            # the HTTP server's bounds on connections, for this port's own: one more is closed at accept, and one
+            # that has not begun HTTP/2 (its preface and settings) within header_timeout_s is closed
+            ("grpc.max_allowed_incoming_connections", limits.max_connections),
+            ("grpc.server_handshake_timeout_ms", int(limits.header_timeout_s * 1000)),
             # shared by the node's serving processes, or else a second server on the port must fail
             ("grpc.so_reuseport", int(shared)),
         ]
