@@ -109,6 +109,16 @@ async def _ok(scope, receive, send) -> None:
     await send({"type": "http.response.body", "body": b"{}"})
 
 
+def _ok_after(seconds: float):
+    """An application answering as `_ok` does, `seconds` after each request arrives."""
+
+    async def app(scope, receive, send) -> None:
+        await asyncio.sleep(seconds)
+        await _ok(scope, receive, send)
+
+    return app
+
+
 async def _exchange(port: int, request: bytes) -> bytes:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(request)
@@ -159,11 +169,7 @@ def test_a_pipelined_head_over_the_limit_is_refused_after_the_answers_before_it(
     first, then the refusal, then the connection closes (answers keep their requests' order)."""
 
     async def scenario() -> bytes:
-        async def slow(scope, receive, send):
-            await asyncio.sleep(0.3)  # still in progress when the next head is refused
-            await _ok(scope, receive, send)
-
-        _, port = await _serve(slow)
+        _, port = await _serve(_ok_after(0.3))  # the first still in progress when the next head is refused
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         big = b"GET /second HTTP/1.1\r\nX-Big: " + b"a" * 4096 + b"\r\n\r\n"
         writer.write(b"GET /first HTTP/1.1\r\nHost: x\r\n\r\n" + big)
@@ -277,11 +283,7 @@ def test_a_trickled_head_is_cut_at_header_timeout_s_with_a_json_408_and_counted(
 
 def test_a_pipelined_head_cut_at_header_timeout_s_gets_its_408_after_the_answer_before_it():
     async def scenario() -> tuple[bytes, float]:
-        async def slow(scope, receive, send):
-            await asyncio.sleep(1.5)  # still in progress when the next head's time is up
-            await _ok(scope, receive, send)
-
-        _, port = await _serve(slow, header_timeout_s=1.0)
+        _, port = await _serve(_ok_after(1.5), header_timeout_s=1.0)  # the first in progress past the next head's time
         opened = time.perf_counter()
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"GET /first HTTP/1.1\r\nHost: x\r\n\r\nGET /second HTTP/1.1\r\nX-Slow: ")
