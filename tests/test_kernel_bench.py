@@ -19,7 +19,7 @@ from benchmarks.kernel.runs import QUICK, RUNNERS, BenchConfig, Timing, forward_
 from benchmarks.kernel.summary import geomean, summarize
 from benchmarks.kernel.timing import time_interleaved
 from export.model import EncoderConfig
-from export.quantize import Int8Plan
+from export.quantize import Int8Plan, cpu_flags, plan_int8
 
 
 def test_forward_flops_counts_projections_attention_and_mlp():
@@ -112,9 +112,12 @@ def test_report_table_without_int8_rows_says_so():
 
 
 @pytest.mark.parametrize("weights", ["s8", "u8"])
-def test_matmul_integer_graph_is_valid_and_computes_the_integer_product(weights):
+def test_matmul_integer_graph_is_valid_and_computes_the_integer_product_with_this_cpus_plan(weights):
+    """Exact with the weights the quantizer would write here: without VNNI, ORT's u8 x s8 kernel adds pairs of
+    products in 16 bits, which full-range s8 weights can saturate, so the plan for such a CPU takes 7 bits."""
+    plan = plan_int8(cpu_flags(), weights=weights)
     m, k, n = 8, 32, 16
-    model = matmul_integer_model(m, k, n, weights)
+    model = matmul_integer_model(m, k, n, plan.weights, plan.reduce_range)
     onnx.checker.check_model(model, full_check=True)
     assert [node.op_type for node in model.graph.node] == ["MatMulInteger"]
     inputs = {i.name: i.type.tensor_type.elem_type for i in model.graph.input}
@@ -130,6 +133,16 @@ def test_matmul_integer_graph_is_valid_and_computes_the_integer_product(weights)
         matmul_integer_model(m, k, n, "s4")
 
 
+@pytest.mark.parametrize(
+    "weights, reduce_range, span",
+    [("s8", False, (-128, 127)), ("s8", True, (-64, 64)), ("u8", False, (0, 255)), ("u8", True, (0, 127))],
+)
+def test_the_gemm_weights_span_the_quantizers_range_for_the_plan(weights, reduce_range, span):
+    model = matmul_integer_model(64, 64, 64, weights, reduce_range)
+    b = onnx.numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == "b"))  # (K, N)
+    assert (int(b.min()), int(b.max())) == span
+
+
 def test_fp32_matmul_graph_is_valid_and_computes_the_product():
     m, k, n = 8, 32, 16
     model = matmul_model(m, k, n)
@@ -142,7 +155,8 @@ def test_fp32_matmul_graph_is_valid_and_computes_the_product():
 
 def test_a_bound_gemm_writes_the_product_into_its_own_buffer():
     m, k, n = 8, 32, 16
-    model = matmul_integer_model(m, k, n)
+    plan = plan_int8(cpu_flags())
+    model = matmul_integer_model(m, k, n, plan.weights, plan.reduce_range)
     b = onnx.numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == "b")).astype(np.int32)
     a = np.random.default_rng(4).integers(0, 256, size=(m, k), dtype=np.uint8)  # (M, K)
     call = BoundGemm.of(model, a.copy(), np.zeros((m, n), np.int32), threads=1)  # the call holds both buffers

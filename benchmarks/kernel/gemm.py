@@ -11,8 +11,10 @@ import onnx
 import onnxruntime as ort
 import torch
 from onnx import TensorProto, helper, numpy_helper
+from onnxruntime.quantization.quant_utils import get_qmin_qmax_for_qType
 
 from benchmarks.kernel.timing import SETTLE_S
+from export.quantize import Int8Plan
 from service.runtime import session_options
 
 GEMM_SHAPES = ((2048, 2048, 2048), (4096, 512, 2048), (4096, 2048, 512))  # (M, K, N): square, and the model's MLP
@@ -22,6 +24,7 @@ PEAK_REPEATS = 5  # timed calls per GEMM shape and precision; a peak is the best
 
 
 INT8_ZERO_POINT = 128  # the u8 activations' zero point, as dynamic quantization feeds MatMulInteger one
+FULL_RANGE_S8 = Int8Plan("s8", False, "full-range s8 weights")  # VNNI's plan; the GEMM's speed ignores the values
 
 
 @dataclass(frozen=True)
@@ -57,15 +60,17 @@ def _gemm_model(op: str, a_type: int, y_type: int, m: int, k: int, n: int, const
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
-def matmul_integer_model(m: int, k: int, n: int, weights: str = "s8", seed: int = 0) -> onnx.ModelProto:
-    """One MatMulInteger node: a (M, K) u8 input with a zero point, times constant (K, N) weights, (M, N) int32 out."""
-    rng = np.random.default_rng(seed)
-    if weights == "s8":
-        b = rng.integers(-128, 128, size=(k, n), dtype=np.int8)  # (K, N)
-    elif weights == "u8":
-        b = rng.integers(0, 256, size=(k, n), dtype=np.uint8)  # (K, N)
-    else:
+def matmul_integer_model(
+    m: int, k: int, n: int, weights: str = "s8", reduce_range: bool = False, seed: int = 0
+) -> onnx.ModelProto:
+    """One MatMulInteger node: a (M, K) u8 input with a zero point, times constant (K, N) weights, (M, N) int32 out.
+    The weights span the range ORT's quantizer gives them under the same plan (7 bits with `reduce_range`)."""
+    types = {"s8": (TensorProto.INT8, np.int8), "u8": (TensorProto.UINT8, np.uint8)}
+    if weights not in types:
         raise ValueError(f"weights must be 's8' or 'u8', got {weights!r}")
+    onnx_type, dtype = types[weights]
+    low, high = get_qmin_qmax_for_qType(onnx_type, reduce_range=reduce_range)
+    b = np.random.default_rng(seed).integers(int(low), int(high), size=(k, n), dtype=dtype, endpoint=True)  # (K, N)
     constants = {"b": b, "a_zero_point": np.array(INT8_ZERO_POINT, dtype=np.uint8)}
     return _gemm_model("MatMulInteger", TensorProto.UINT8, TensorProto.INT32, m, k, n, constants)
 
@@ -101,7 +106,7 @@ class BoundGemm:
 
 def gemm_peaks(
     threads: int,
-    weights: str = "s8",
+    plan: Int8Plan = FULL_RANGE_S8,
     shapes: tuple[tuple[int, int, int], ...] = GEMM_SHAPES,
     repeats: int = PEAK_REPEATS,
     settle_s: float = SETTLE_S,
@@ -115,12 +120,11 @@ def gemm_peaks(
         for m, k, n in shapes:
             a, b = torch.randn(m, k), torch.randn(k, n)  # (M, K), (K, N)
             a8 = np.random.default_rng(seed=1).integers(0, 256, size=(m, k), dtype=np.uint8)  # (M, K)
+            int8 = matmul_integer_model(m, k, n, plan.weights, plan.reduce_range)
             calls = {
                 "torch": lambda a=a, b=b: a @ b,
                 "ort-fp32": BoundGemm.of(matmul_model(m, k, n), a.numpy(), np.empty((m, n), np.float32), threads),
-                "ort-int8": BoundGemm.of(
-                    matmul_integer_model(m, k, n, weights), a8, np.empty((m, n), np.int32), threads
-                ),
+                "ort-int8": BoundGemm.of(int8, a8, np.empty((m, n), np.int32), threads),
             }
             for call in calls.values():
                 call()  # warm-up

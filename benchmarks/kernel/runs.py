@@ -129,7 +129,7 @@ def bench_heads(cfg: BenchConfig, h: int, folder: Path, plan: Int8Plan, log: Cal
 def run(cfg: BenchConfig, plan: Int8Plan, log: Callable[[str], None]) -> tuple[list[Timing], Peaks]:
     """All timings and the GEMM peaks measured before them."""
     torch.set_num_threads(cfg.threads)
-    peaks = gemm_peaks(cfg.threads, plan.weights, cfg.gemm_shapes)
+    peaks = gemm_peaks(cfg.threads, plan, cfg.gemm_shapes)
     log(f"fp32 GEMM peak (torch.matmul, {cfg.threads} threads): {peaks.fp32_gflops:.0f} GFLOP/s")
     log(f"fp32 GEMM peak (ORT MatMul, {cfg.threads} threads): {peaks.fp32_ort_gflops:.0f} GFLOP/s")
     log(
