@@ -10,6 +10,7 @@ applies the model repository's changes to every process through it (service/repo
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -84,20 +85,23 @@ def deployed_ingress_config(name: str) -> dict[str, Any]:
     return {}
 
 
-def wait_running(name: str, poll_s: float = 0.2, deadline: float | None = None) -> bool:
+def wait_running(
+    name: str, poll_s: float = 0.2, deadline: float | None = None, stop: threading.Event | None = None
+) -> bool:
     """Block until the application runs (after a deploy, once every replica has taken the new config: Serve marks
-    the application deploying while it applies one); False past `deadline` (time.monotonic()), RuntimeError with
-    Serve's message if it fails to deploy."""
+    the application deploying while it applies one); False past `deadline` (time.monotonic()) or once `stop` is set,
+    RuntimeError with Serve's message if it fails to deploy."""
     from ray import serve
 
-    while deadline is None or time.monotonic() < deadline:
+    stop = stop or threading.Event()
+    while not stop.is_set() and (deadline is None or time.monotonic() < deadline):
         app = serve.status().applications.get(name)
         status = str(app.status).split(".")[-1] if app is not None else ""
         if status == "RUNNING":
             return True
         if status in FAILED:
             raise RuntimeError(app.message or f"application {name!r} is {status}")
-        time.sleep(poll_s)
+        stop.wait(poll_s)
     return False
 
 

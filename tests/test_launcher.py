@@ -3,13 +3,18 @@ request, and clean SIGTERM shutdown."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
-from serving import free_port, serve_command
+from serving import free_port, serve_process
 
 from service.local import launcher, ports, ray_env, up
 
@@ -62,6 +67,24 @@ def test_serves_grpc_proxy_is_held_to_the_body_limit_only_where_it_serves_grpc()
     assert ray_env.GRPC_PROXY_LIMIT_VAR not in ray_env.ray_env("127.0.0.1")
 
 
+@pytest.mark.parametrize("user_value", [None, "0"], ids=["unset", "set-by-the-user"])
+def test_the_servers_ray_driver_goes_without_the_failure_signal_handler_and_ray_processes_keep_it(user_value):
+    """In a fresh process (ray not yet imported), as the server imports it: Ray reads the switch on import; the
+    variable is gone again before ray.init starts Ray's processes, and a user's own value is theirs."""
+    probe = (
+        "import os; from service.local.ray_env import NO_FAILURE_SIGNAL_HANDLER as V, import_ray_for_the_server; "
+        "import_ray_for_the_server(); from ray._private import ray_constants; "
+        "print(ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER, os.environ.get(V))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != ray_env.NO_FAILURE_SIGNAL_HANDLER}
+    if user_value is not None:
+        env[ray_env.NO_FAILURE_SIGNAL_HANDLER] = user_value
+    run = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    expected = "True None" if user_value is None else "False 0"
+    assert run.stdout.split() == expected.split()
+
+
 def test_num_replicas_with_the_api_port_is_refused_in_one_line_naming_processes(tiny_models_dir, tmp_path, capsys):
     config = tmp_path / "serve.yaml"
     config.write_text("ingress:\n  num_replicas: 2\n")
@@ -106,12 +129,17 @@ def test_up_finds_which_default_models_are_missing(tiny_models_dir, tmp_path):
 
 @pytest.mark.serve
 @pytest.mark.slow
-def test_serve_starts_answers_on_its_port_logs_each_request_and_stops_cleanly_on_sigterm(tiny_models_dir, tmp_path):
-    """With --access-log, which the default start lacks only in its log (every ServerProcess test starts that)."""
+def test_serve_starts_answers_on_its_port_logs_each_request_and_stops_cleanly_however_many_sigterms_follow(
+    tiny_models_dir, tmp_path
+):
+    """With --access-log, which the default start lacks only in its log (every ServerProcess test starts that). The
+    stop: a SIGTERM every 0.1 s to the launcher and to its server process until they exit, as from an impatient
+    operator or a stopper that signals every process: the second ends the drain, the rest come while Ray shuts down
+    and must not turn a clean stop into an interrupted one (exit status 0)."""
     port, metrics_port, log = free_port(), free_port(), tmp_path / "serve.log"
     args = ["--models", str(tiny_models_dir), "--port", str(port), "--grpc-port", str(free_port())]
     args += ["--metrics-port", str(metrics_port), "--num-cpus", "2", "--access-log"]
-    with serve_command(args, log) as text:
+    with serve_process(args, log) as (proc, text):
         assert f"http://127.0.0.1:{port}/v2/models/{{name}}/infer" in text and "/docs" in text
         assert f"http://127.0.0.1:{metrics_port}/metrics" in text
         assert "model mha-h2-d32: h=2 head_dim=16 d_model=32 on cpu" in text
@@ -122,7 +150,18 @@ def test_serve_starts_answers_on_its_port_logs_each_request_and_stops_cleanly_on
         while '"POST /v1/models/mha-h2-d32/predict HTTP/1.1" 200' not in log.read_text():  # uvicorn's line
             assert time.time() < deadline, "no access log line within 30 s:\n" + log.read_text()
             time.sleep(0.5)
-    assert "shutting down" in log.read_text()
+        (server,) = map(int, Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split())
+        sent = 0
+        while proc.poll() is None and sent < 300:  # serve_process checks the exit status
+            for pid in (proc.pid, server):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
+            sent += 1
+            time.sleep(0.1)
+    text = log.read_text()
+    assert "stopping without waiting" in text and "shutting down" in text and sent > 3, (sent, text[-2000:])
+    # Ray's warning when ray.init runs off the main thread: the abandoned drain's thread connecting to a new Ray
+    assert "not the main thread" not in text.split("shutting down")[1], text[-2000:]
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", port))  # the port is free again

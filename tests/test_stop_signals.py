@@ -95,6 +95,14 @@ def test_a_second_stop_signal_is_forwarded_again_and_sighup_is_passed_on():
         assert s.lines() == ["SIGHUP", "SIGTERM", "SIGTERM"] and s.proc.returncode == 3
 
 
+def test_stop_signals_past_the_second_are_not_forwarded():
+    with Supervised(stops=3, stop_within_s=1.5) as s:  # a stand-in that would end at a third SIGTERM
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGTERM, signal.SIGTERM):
+            os.kill(s.proc.pid, signum)
+            time.sleep(0.2)
+        assert s.lines() == ["SIGTERM", "SIGTERM"] and s.proc.returncode == 1  # killed at its stop time
+
+
 def test_a_server_still_running_past_its_stop_time_is_killed_with_its_process_group():
     with Supervised(stops=0, grandchild=True, stop_within_s=1) as s:
         start = time.monotonic()

@@ -26,7 +26,10 @@ def drain(app_name: str, period_s: float, config: AppConfig) -> tuple[int, float
     start = time.monotonic()
     outcome: list[int] = []
     until = time.time() + period_s
-    worker = threading.Thread(target=lambda: outcome.append(_drain_or_say_why(app_name, config, until)), daemon=True)
+    stop = threading.Event()
+    worker = threading.Thread(
+        target=lambda: outcome.append(_drain_or_say_why(app_name, config, until, stop)), daemon=True
+    )
     worker.start()
     try:
         while worker.is_alive() and time.monotonic() - start < period_s + 2 * CALL_TIMEOUT_S:
@@ -37,17 +40,25 @@ def drain(app_name: str, period_s: float, config: AppConfig) -> tuple[int, float
                     "KillMode=mixed); not draining",
                     file=sys.stderr,
                 )
-                return -1, time.monotonic() - start
+                return _abandoned(worker, stop, start)
     except KeyboardInterrupt:
         print("mha-serving: stopping without waiting for requests in progress", file=sys.stderr)
-        return -1, time.monotonic() - start
+        return _abandoned(worker, stop, start)
     if not outcome:
         print(
             f"mha-serving: the ingress did not answer within {time.monotonic() - start:.0f} s; stopping",
             file=sys.stderr,
         )
-        return -1, time.monotonic() - start
+        return _abandoned(worker, stop, start)
     return outcome[0], time.monotonic() - start
+
+
+def _abandoned(worker: threading.Thread, stop: threading.Event, start: float) -> tuple[int, float]:
+    """Stop the drain's worker before Ray goes down: a Serve call it made after `ray.shutdown` would start a new
+    Ray (Serve connects on demand) while this one stops. It ends within its call in progress, if any."""
+    stop.set()
+    worker.join(CALL_TIMEOUT_S)
+    return -1, time.monotonic() - start
 
 
 def gcs_reachable(timeout_s: float = 0.5) -> bool:
@@ -62,7 +73,7 @@ def gcs_reachable(timeout_s: float = 0.5) -> bool:
         return False
 
 
-def _drain_or_say_why(app_name: str, config: AppConfig, until: float) -> int:
+def _drain_or_say_why(app_name: str, config: AppConfig, until: float, stop: threading.Event) -> int:
     """Redeploys of the ingress's user_config, each applied in place to every replica (about 1.5 s each, measured):
     with several replicas, a first turns each to draining at once (Serve reconfigures a few replicas at a time, so a
     reconfigure that waited would leave the others serving meanwhile), then one waits in each for its requests in
@@ -73,8 +84,10 @@ def _drain_or_say_why(app_name: str, config: AppConfig, until: float) -> int:
     steps = (until,) if config.ingress.scaling().get("num_replicas") == 1 else (0.0, until)
     try:
         for wait_until in steps:
+            if stop.is_set():
+                return -1
             serve_control.update_ingress(app_name, {"drain_until": wait_until})
-            if not serve_control.wait_running(app_name, poll_s=0.05, deadline=deadline):
+            if not serve_control.wait_running(app_name, poll_s=0.05, deadline=deadline, stop=stop):
                 return -1
         return 0
     except Exception as exc:  # the ingress is gone or does not answer: nothing left to drain there

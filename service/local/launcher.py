@@ -28,7 +28,7 @@ from service.local.arguments import (
     within_cores,
 )
 from service.local.drain import drain, stop_ray
-from service.local.ray_env import set_ray_env
+from service.local.ray_env import import_ray_for_the_server, set_ray_env
 from service.model_store import find_models
 from service.routes import RouteConfigError, RouteTable
 
@@ -90,6 +90,7 @@ def start_local(config: AppConfig, opts: LocalServe) -> None:
     """Start an embedded Ray and Serve, and deploy `build_app(config)`; returns once every replica is up."""
     proxied_grpc = not opts.direct and opts.grpc_port is not None
     set_ray_env(opts.host, opts.access_log, config.limits.max_body_bytes if proxied_grpc else None)
+    import_ray_for_the_server()
     import ray
     from ray import serve
 
@@ -250,9 +251,12 @@ def serve(args: argparse.Namespace, opts: LocalServe, config: AppConfig) -> int:
         if ray_started():
             print(f"\nmha-serving: draining (up to {config.limits.drain_s:g} s)...", file=sys.stderr, flush=True)
             left, waited = drain(APP_NAME, config.limits.drain_s, config)
+            _ignore_stop_signals()
             unfinished = ", requests may have been unfinished" if left else ""
             print(f"mha-serving: drained in {waited:.1f} s{unfinished}; shutting down", file=sys.stderr, flush=True)
-            if not stop_ray():  # Ray's GCS went down with the signal: Ray's own exit hook would wait on it again
+            stopped = stop_ray()
+            _ignore_stop_signals()  # again: with its failure-signal handler (the user's choice) Ray resets SIGTERM
+            if not stopped:  # Ray's GCS went down with the signal: Ray's own exit hook would wait on it again
                 sys.stdout.flush()
                 os._exit(0)
         return 0
@@ -276,6 +280,14 @@ def _failures() -> dict[str, str]:
 
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # SIGTERM shuts down as Ctrl-C would: drain, and a second one ends the drain
+
+
+def _ignore_stop_signals() -> None:
+    """Past the drain the server is stopping anyway: a later SIGTERM or SIGINT (a third Ctrl-C, a repeating stopper)
+    would interrupt Ray's shutdown and end the server with 130, Ray half stopped. The supervisor still kills a server
+    that outlives its stop deadline."""
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, signal.SIG_IGN)
 
 
 def _first_reason(exc: Exception) -> str:

@@ -88,3 +88,22 @@ def set_ray_env(host: str, access_log: bool = False, grpc_proxy_limit: int | Non
     """Set `ray_env(...)` in this process's environment (inherited by Ray's processes), the user's values kept."""
     for key, value in ray_env(host, access_log, grpc_proxy_limit).items():
         os.environ.setdefault(key, value)
+
+
+# Ray's documented switch, read once as ray is imported: the process's Ray driver installs no C++ failure-signal
+# handler. Ray's shutdown uninstalls that handler by resetting SIGTERM to its default, which would end a server that
+# is still stopping (and ignores stop signals by then) at the next SIGTERM.
+NO_FAILURE_SIGNAL_HANDLER = "RAY_DISABLE_FAILURE_SIGNAL_HANDLER"
+
+
+def import_ray_for_the_server() -> None:
+    """Import ray in the server process without the driver's failure-signal handler, unless the user set the switch
+    themselves; Ray's own processes (started later, inheriting the environment) keep theirs. No effect where ray was
+    imported before."""
+    user_set = NO_FAILURE_SIGNAL_HANDLER in os.environ
+    os.environ.setdefault(NO_FAILURE_SIGNAL_HANDLER, "1")
+    try:
+        import ray  # noqa: F401
+    finally:
+        if not user_set:
+            del os.environ[NO_FAILURE_SIGNAL_HANDLER]

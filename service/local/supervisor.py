@@ -19,32 +19,44 @@ POLL_S = 0.05  # how soon a signal received is forwarded
 # Past drain_s, the server's own bounded steps (the drain's calls, Ray's shutdown) take up to ~8 s: only a server
 # stuck beyond that is killed, with its whole process group.
 STOP_MARGIN_S = 15.0
+# The first stop drains, the second ends the drain; a third would reach the server while Ray shuts down, which a
+# signal can only cut short.
+MAX_STOPS_FORWARDED = 2
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def supervise(command: list[str], stop_within_s: float) -> int:
     """Run `command` (the server) in a new session until it exits; its exit status (128 + N if signal N ended it).
-    SIGTERM or SIGINT: one SIGTERM forwarded, the server drains; another: forwarded again, it stops at once. SIGHUP:
-    forwarded (reload). A server still running `stop_within_s` after the first one is killed (status 1)."""
+    SIGTERM or SIGINT: one SIGTERM forwarded, the server drains; another: forwarded again, it stops at once; more:
+    not forwarded. SIGHUP: forwarded (reload). A server still running `stop_within_s` after the first stop is
+    killed (status 1).
+
+    The process's last act: once the server has ended, these signals are ignored (the interpreter's exit would put
+    back their default, death), so that one arriving before this process exits cannot replace the server's status."""
     received: list[int] = []  # the handler only records: _wait forwards, so nothing is sent twice or lost
-    handlers = {s: signal.signal(s, lambda signum, _: received.append(signum)) for s in (*STOP_SIGNALS, signal.SIGHUP)}
+    for signum in (*STOP_SIGNALS, signal.SIGHUP):
+        signal.signal(signum, lambda signum, _: received.append(signum))
+    env = {**os.environ, SUPERVISOR_ENV: str(os.getpid())}
+    server = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
     try:
-        env = {**os.environ, SUPERVISOR_ENV: str(os.getpid())}
-        server = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
         return _wait(server, received, stop_within_s)
     finally:
-        for signum, handler in handlers.items():
-            signal.signal(signum, handler)
+        for signum in (*STOP_SIGNALS, signal.SIGHUP):
+            signal.signal(signum, signal.SIG_IGN)
 
 
 def _wait(server: subprocess.Popen, received: list[int], stop_within_s: float) -> int:
-    forwarded, stopping_since = 0, None
+    forwarded, stops, stopping_since = 0, 0, None
     while (code := server.poll()) is None:
         for signum in received[forwarded:]:
-            if signum in STOP_SIGNALS:
-                stopping_since = stopping_since or time.monotonic()
-            server.send_signal(signal.SIGTERM if signum in STOP_SIGNALS else signum)
             forwarded += 1
+            if signum not in STOP_SIGNALS:
+                server.send_signal(signum)
+                continue
+            stopping_since = stopping_since or time.monotonic()
+            stops += 1
+            if stops <= MAX_STOPS_FORWARDED:
+                server.send_signal(signal.SIGTERM)
         if stopping_since is not None and time.monotonic() - stopping_since > stop_within_s:
             return _kill(server, time.monotonic() - stopping_since)
         time.sleep(POLL_S)
