@@ -5,6 +5,8 @@ took 3-30 s). No torch.
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import sys
 import threading
@@ -15,6 +17,29 @@ from service.config import AppConfig
 CALL_TIMEOUT_S = 2.0  # Serve's own share of a drain: applying the config to every replica, reporting back
 GCS_CHECK_S = 0.1  # while draining, how often to check that Ray's GCS is still there
 SHUTDOWN_WITHOUT_GCS_S = 2.0
+
+
+def drain_and_stop(app_name: str, config: AppConfig) -> None:
+    """The server's stop, once a stop signal came: drain, then end the embedded Ray; exits at once where Ray's GCS
+    went down with the signal (Ray's own exit hook would wait on it again)."""
+    print(f"\nmha-serving: draining (up to {config.limits.drain_s:g} s)...", file=sys.stderr, flush=True)
+    left, waited = drain(app_name, config.limits.drain_s, config)
+    _ignore_stop_signals()
+    unfinished = ", requests may have been unfinished" if left else ""
+    print(f"mha-serving: drained in {waited:.1f} s{unfinished}; shutting down", file=sys.stderr, flush=True)
+    stopped = stop_ray()
+    _ignore_stop_signals()  # again: with its failure-signal handler (the user's choice) Ray resets SIGTERM
+    if not stopped:
+        sys.stdout.flush()
+        os._exit(0)
+
+
+def _ignore_stop_signals() -> None:
+    """Past the drain the server is stopping anyway: a later SIGTERM or SIGINT (a third Ctrl-C, a repeating stopper)
+    would interrupt Ray's shutdown and end the server with 130, Ray half stopped. The supervisor still kills a server
+    that outlives its stop deadline."""
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, signal.SIG_IGN)
 
 
 def drain(app_name: str, period_s: float, config: AppConfig) -> tuple[int, float]:

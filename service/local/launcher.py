@@ -27,7 +27,7 @@ from service.local.arguments import (
     validated,
     within_cores,
 )
-from service.local.drain import drain, stop_ray
+from service.local.drain import drain_and_stop, stop_ray
 from service.local.ray_env import import_ray_for_the_server, set_ray_env
 from service.model_store import find_models
 from service.routes import RouteConfigError, RouteTable
@@ -249,16 +249,7 @@ def serve(args: argparse.Namespace, opts: LocalServe, config: AppConfig) -> int:
                 config = reload(args, opts, config)
     except KeyboardInterrupt:  # SIGTERM, maybe while still starting: the ingress may already be serving
         if ray_started():
-            print(f"\nmha-serving: draining (up to {config.limits.drain_s:g} s)...", file=sys.stderr, flush=True)
-            left, waited = drain(APP_NAME, config.limits.drain_s, config)
-            _ignore_stop_signals()
-            unfinished = ", requests may have been unfinished" if left else ""
-            print(f"mha-serving: drained in {waited:.1f} s{unfinished}; shutting down", file=sys.stderr, flush=True)
-            stopped = stop_ray()
-            _ignore_stop_signals()  # again: with its failure-signal handler (the user's choice) Ray resets SIGTERM
-            if not stopped:  # Ray's GCS went down with the signal: Ray's own exit hook would wait on it again
-                sys.stdout.flush()
-                os._exit(0)
+            drain_and_stop(APP_NAME, config)
         return 0
     except RuntimeError as exc:  # Serve's deploy failure: a replica raised at start (e.g. backend gpu without one)
         print(f"mha-serving serve: the application failed to start: {_first_reason(exc)}", file=sys.stderr)
@@ -280,14 +271,6 @@ def _failures() -> dict[str, str]:
 
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # SIGTERM shuts down as Ctrl-C would: drain, and a second one ends the drain
-
-
-def _ignore_stop_signals() -> None:
-    """Past the drain the server is stopping anyway: a later SIGTERM or SIGINT (a third Ctrl-C, a repeating stopper)
-    would interrupt Ray's shutdown and end the server with 130, Ray half stopped. The supervisor still kills a server
-    that outlives its stop deadline."""
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, signal.SIG_IGN)
 
 
 def _first_reason(exc: Exception) -> str:
