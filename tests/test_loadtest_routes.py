@@ -311,12 +311,6 @@ PROTOCOLS = ("simple", "grpc")  # each protocol's answer is read in the unit tes
 REQUESTS_PER_PROTOCOL = 500
 
 
-def _service_has_routes() -> bool:
-    from service.config import AppConfig
-
-    return "routes" in AppConfig.model_fields
-
-
 @pytest.fixture(scope="module")
 def route_app(serve_port, tiny_models_dir):
     from ray import serve
@@ -359,12 +353,10 @@ def settled_shadow_counts(metrics_url: str, still_s: float = 3.0, timeout_s: flo
 
 @pytest.mark.serve
 @pytest.mark.slow
-def test_loadtest_reports_route_shares_and_agreement(request, tmp_path):
-    if not _service_has_routes():
-        pytest.skip("the service has no routes yet (AppConfig without `routes`)")
+def test_loadtest_reports_route_shares_and_agreement(route_app, tmp_path):
     import ray
 
-    app = request.getfixturevalue("route_app")
+    app = route_app
     metrics_url = f"http://127.0.0.1:{ray.nodes()[0]['MetricsExportPort']}/metrics"
     rows_before, agreeing_before = settled_shadow_counts(metrics_url)
     command = [sys.executable, "-m", "service.cli", "loadtest", "--quiet", "--url", app.base_url]
