@@ -49,8 +49,8 @@ METRICS_EXPORT_FILES = {
     "test_loadtest_routes.py",
 }
 # The two lanes of `make test` (pytest-xdist, two workers, --dist loadgroup): the tests that start a server of their
-# own, one after another, beside the tests of the session's Ray. Half of 2 cores sat idle in one lane: a server
-# starts on about one core, one process after another.
+# own, one after another, beside the rest. Half of 2 cores sat idle with one lane: a server starts on about one core,
+# one process after another.
 OWN_RAY, SESSION_RAY = "own-ray", "session-ray"
 
 
@@ -65,15 +65,16 @@ def lane(item) -> str:
 
 
 def _run_order(item) -> tuple[int, bool]:
-    """The lanes first, each given whole to a worker at the start; then the rest, file by file, to whichever worker
-    is free. Within the own-server lane the multi-node cluster test first, within the session's lane the files that
-    scrape its metrics export."""
+    """The queue: the own-server lane, given whole to the first worker, its multi-node cluster test first; then the
+    other files one by one, to the second worker (CPU-bound work, model training and export, beside the first
+    lane's servers, which start on about one core); then the session's lane, the files that scrape its metrics
+    export first, to whichever worker is free."""
     kind = lane(item)
     if kind == OWN_RAY:
         return 0, item.path.name != "test_deploy_cluster.py"
     if kind == SESSION_RAY:
-        return 1, item.path.name not in METRICS_EXPORT_FILES
-    return 2, False
+        return 2, item.path.name not in METRICS_EXPORT_FILES
+    return 1, False
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks

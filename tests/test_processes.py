@@ -153,7 +153,11 @@ def test_a_killed_process_is_replaced_while_the_other_keeps_serving(server):
         killed = time.monotonic()
         deadline = killed + 90
         while True:  # Serve's health check replaces it: a third process id answers
-            seen = {who for who, _ in server.answers("mha-h2-d32", 10)}
+            try:
+                seen = {who for who, _ in server.answers("mha-h2-d32", 10)}
+            except httpx.TransportError:  # a connection the victim's socket took as it died: reset, as the load's
+                assert time.monotonic() < killed + 1.0, "a connection reset more than a second after the kill"
+                seen = set()
             if seen - before:
                 break
             assert time.monotonic() < deadline, server.log.read_text()[-3000:]
