@@ -48,43 +48,25 @@ METRICS_EXPORT_FILES = {
     "test_loadtest_service.py",
     "test_loadtest_routes.py",
 }
-# The two lanes of `make test` (pytest-xdist, two workers, --dist loadgroup): the tests that start a server of their
-# own, one after another, beside the rest. Half of 2 cores sat idle with one lane: a server starts on about one core,
-# one process after another.
-OWN_RAY, SESSION_RAY = "own-ray", "session-ray"
 
 
-def lane(item) -> str:
-    """The session Ray's lane, the lane of the tests that start their own Ray Serve (marked `serve`), or for the
-    rest their file: a unit of its own, its module fixtures (models trained, exported) built once."""
-    if "serve_port" in item.fixturenames:
-        return SESSION_RAY
-    if item.get_closest_marker("serve"):
-        return OWN_RAY
-    return item.path.name
+def _run_order(item, ray_files: set[Path]) -> int:
+    name = item.path.name
+    if name == "test_deploy_cluster.py":
+        return 0
+    if item.path not in ray_files:
+        return 1
+    return 2 if name in METRICS_EXPORT_FILES else 3
 
 
-def _run_order(item) -> tuple[int, bool]:
-    """The queue: the own-server lane, given whole to the first worker, its multi-node cluster test first; then the
-    other files one by one, to the second worker (CPU-bound work, model training and export, beside the first
-    lane's servers, which start on about one core); then the session's lane, the files that scrape its metrics
-    export first, to whichever worker is free."""
-    kind = lane(item)
-    if kind == OWN_RAY:
-        return 0, item.path.name != "test_deploy_cluster.py"
-    if kind == SESSION_RAY:
-        return 2, item.path.name not in METRICS_EXPORT_FILES
-    return 1, False
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
-    """Each test's lane (an xdist_group) and the order of the queue `make test` hands its two workers (kept there
-    by --no-loadscope-reorder; a plain `pytest` runs the same order in one process). Tests marked `gpu` need
-    onnxruntime-gpu and an NVIDIA device; skipped (saying so) otherwise."""
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(lane(item)))
-    items.sort(key=_run_order)  # stable: keeps each file's tests in order
+    """The multi-node cluster test runs first, before the session's own Ray starts (two Ray clusters on 2 cores
+    starve each other); then every file that does not use the session's Ray, so that its idle Serve applications
+    (~15 % of 2 cores) do not run beside them; then the files that scrape the session Ray's metrics export, while
+    it is small; then the rest. Tests marked `gpu` need onnxruntime-gpu and an NVIDIA device; skipped (saying so)
+    otherwise."""
+    ray_files = {item.path for item in items if "serve_port" in item.fixturenames}
+    items.sort(key=lambda item: _run_order(item, ray_files))  # stable: keeps each file's tests in order
     if _gpu_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU and onnxruntime-gpu (CUDAExecutionProvider)")
