@@ -356,11 +356,10 @@ def settled_shadow_counts(metrics_url: str, still_s: float = 3.0, timeout_s: flo
 def test_loadtest_reports_route_shares_and_agreement(route_app, tmp_path):
     import ray
 
-    app = route_app
     metrics_url = f"http://127.0.0.1:{ray.nodes()[0]['MetricsExportPort']}/metrics"
     rows_before, agreeing_before = settled_shadow_counts(metrics_url)
-    command = [sys.executable, "-m", "service.cli", "loadtest", "--quiet", "--url", app.base_url]
-    command += ["--models", ROUTE_NAME, "--protocol", ",".join(PROTOCOLS), "--grpc-url", app.grpc_url]
+    command = [sys.executable, "-m", "service.cli", "loadtest", "--quiet", "--url", route_app.base_url]
+    command += ["--models", ROUTE_NAME, "--protocol", ",".join(PROTOCOLS), "--grpc-url", route_app.grpc_url]
     command += ["--concurrency", "4", "--rate", "", "--duration", "120", "--max-requests", str(REQUESTS_PER_PROTOCOL)]
     command += ["--warmup", "0", "--metrics-url", metrics_url, "--metrics-match", f"application={APP}"]
     command += ["--out", str(tmp_path)]
