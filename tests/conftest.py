@@ -104,28 +104,41 @@ def serve_port(metrics_port, serve_grpc_port):
 PLACEMENTS = ["colocated", "deployment"]
 
 
+@pytest.fixture(scope="session")
+def session_apps() -> dict:
+    """The applications deployed into the session's Ray, by name. Pytest sets a parametrized session fixture up
+    again whenever the run order comes back to one of its params, and deploying again would restart its replicas."""
+    return {}
+
+
 @pytest.fixture(scope="session", params=PLACEMENTS)
-def service(request, serve_port, tiny_models_dir):
+def service(request, serve_port, tiny_models_dir, session_apps):
     """The real application on the tiny models (a small CPU share), once per placement: models co-located in the
     ingress at /, and each model in its own deployment (requests coalesced at the ingress, as `mha-serving serve`
     runs it) at /main-deployment. Every test that uses it runs against both."""
     from serving import deploy
 
     name = "main" if request.param == "colocated" else f"main-{request.param}"
-    return deploy(serve_port, name, tiny_models_dir, placement=request.param, ingress={"coalesce": True})
+    if name not in session_apps:
+        session_apps[name] = deploy(
+            serve_port, name, tiny_models_dir, placement=request.param, ingress={"coalesce": True}
+        )
+    return session_apps[name]
 
 
 @pytest.fixture(scope="session", params=PLACEMENTS)
-def limited_service(request, serve_port, tiny_models_dir, tmp_path_factory):
+def limited_service(request, serve_port, tiny_models_dir, tmp_path_factory, session_apps):
     """A second application with tiny limits and three broken model folders next to a good one, under
     /limited-<placement>, once per placement."""
     from serving import broken_models_dir, deploy
 
+    name = f"limited-{request.param}"
+    if name in session_apps:
+        return session_apps[name]
     models = broken_models_dir(tmp_path_factory.mktemp("limited") / "models", tiny_models_dir / "mha-h2-d32")
     settings = {"num_cpus": 0.1, "max_ongoing_requests": 1, "max_queued_requests": 1, "batch_wait_timeout_s": 0.5}
     limits = {"max_rows": 4, "max_body_bytes": 4096, "body_timeout_s": 1.0}
-    name = f"limited-{request.param}"
-    return deploy(
+    session_apps[name] = deploy(
         serve_port,
         name,
         models,
@@ -134,3 +147,4 @@ def limited_service(request, serve_port, tiny_models_dir, tmp_path_factory):
         limits=limits,
         ingress={"coalesce": True},
     )
+    return session_apps[name]

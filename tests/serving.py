@@ -48,12 +48,16 @@ def start_ray_and_serve(metrics_port: int | None = None, grpc_port: int | None =
     from ray import serve
 
     from service.http.limits import PROXY_LIMITS_ENV
-    from service.local.ray_env import RAY_ON_LOOPBACK, SERVE_RAY_ENV
+    from service.local.ray_env import LOCAL_RAY_ENV, RAY_ON_LOOPBACK, SERVE_RAY_ENV
     from service.rpc.servicers import SERVE_SERVICERS
 
     port = free_port()
     # Ray exports metrics every 10 s by default; 1 s keeps the metrics tests short (Ray's processes inherit it).
     os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
+    # Serve's controller reconciles every 0.1 s by default: a quarter of the session's idle CPU with its applications
+    # deployed (13 % of 2 cores in all). The local launcher's interval leaves more of the cores to the tests.
+    control_loop = "RAY_SERVE_CONTROL_LOOP_INTERVAL_S"
+    os.environ.setdefault(control_loop, LOCAL_RAY_ENV[control_loop])
     # Requests come through Serve's proxy (with the image's proxy limits) and Ray runs Serve's settings of the pods
     # (their HAProxy ingress aside: benchmarks/harness/cluster.py starts it); Ray's ports on loopback.
     for key, value in {**PROXY_LIMITS_ENV, **SERVE_RAY_ENV, **RAY_ON_LOOPBACK}.items():

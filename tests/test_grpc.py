@@ -198,6 +198,8 @@ def test_grpc_requests_are_counted_under_their_own_endpoint(app, stub, metrics_p
 
 
 @pytest.mark.serve
+# The load tester measures the same whichever the placement: one.
+@pytest.mark.parametrize("app", ["colocated"], indirect=True)
 def test_the_load_tester_measures_a_model_over_grpc(app, tmp_path):
     command = [sys.executable, "-m", "service.cli", "loadtest", "--quiet", "--url", app.base_url, "--protocol", "grpc"]
     command += ["--grpc-url", app.grpc_url, "--models", NAME, "--concurrency", "4", "--rate", "", "--duration", "1"]

@@ -133,18 +133,19 @@ def _models(served) -> list[str]:
     return sorted(path.parent.name for path in served.models_dir.glob("*/model.onnx"))
 
 
-@pytest.fixture(scope="module", params=["colocated", "deployment"])
-def app(request, serve_port, tiny_models_dir):
-    """The tiny models with gRPC on a port of their own, once per placement, every model ready."""
+@pytest.fixture(scope="module")
+def app(serve_port, tiny_models_dir):
+    """The tiny models with gRPC on a port of their own, every model ready. Co-located only: the ingress codes the
+    v2 wire formats whichever the placement, and test_api_v2*.py and test_grpc.py run both placements."""
     settings = {"ingress": {"grpc_port": free_port()}}
-    with deployed(serve_port, f"kserve-{request.param}", tiny_models_dir, request.param, **settings) as served:
+    with deployed(serve_port, "kserve", tiny_models_dir, "colocated", **settings) as served:
         models_when_ready(served, set(_models(served)))
         yield served
 
 
 @pytest.fixture(scope="module")
 def answers(app) -> dict:
-    """What KServe's clients got from `app`, every model asked every way (one client process per placement)."""
+    """What KServe's clients got from `app`, every model asked every way (one client process)."""
     args = [json.dumps(a) for a in (_models(app), IDS.tolist(), MASK.tolist(), TEXTS)]
     return in_own_process(KSERVE_CLIENTS, app.base_url, app.grpc_url, UNKNOWN, *args)
 

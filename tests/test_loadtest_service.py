@@ -235,6 +235,8 @@ def test_the_locustfile_drives_every_model_through_the_same_endpoints(app, tmp_p
         assert int(rows[f"{model} (v2)"]["Request Count"]) > 0 and rows[f"{model} (v2)"]["Failure Count"] == "0"
 
 
+# What the load tester does with models that are never ready does not depend on where the models run: one placement.
+@pytest.mark.parametrize("limited_service", ["colocated"], indirect=True)
 def test_models_that_never_get_ready_make_a_partial_report_and_exit_1(limited_service, tmp_path):
     """The limited application serves one good model next to three broken folders (missing, corrupt, inconsistent)."""
     run = loadtest(

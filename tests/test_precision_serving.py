@@ -95,6 +95,8 @@ def test_an_fp16_model_is_refused_on_the_cpu_with_the_fix_named(app):
 
 
 @pytest.mark.slow
+# The load tester measures the same whichever the placement: one.
+@pytest.mark.parametrize("app", ["colocated"], indirect=True)
 def test_the_load_tester_compares_precisions_of_one_head_configuration(app, tmp_path):
     _settled(app)
     command = [sys.executable, "-m", "service.cli", "loadtest", "--quiet", "--url", app.base_url]

@@ -80,6 +80,8 @@ def test_pruned_and_unpruned_models_are_listed_answer_like_ort_and_carry_their_h
 
 
 @pytest.mark.slow
+# The load tester measures the same whichever the placement: one.
+@pytest.mark.parametrize("app", ["colocated"], indirect=True)
 def test_the_load_tester_compares_the_pruned_model_with_the_unpruned_one(app, tmp_path):
     models_when_ready(app, {UNPRUNED, PRUNED})
     command = [sys.executable, "-m", "service.cli", "loadtest", "--quiet", "--url", app.base_url]
