@@ -20,11 +20,12 @@ venv: $(BIN)/mha-serving
 run: venv
 	$(BIN)/mha-serving up --models $(MODELS) --host $(HOST) --port $(PORT)
 
-## test: lint, then the whole test suite (real Ray Serve on 127.0.0.1; GPU tests skip without a GPU)
+## test: lint, then the whole test suite (real Ray Serve on 127.0.0.1; GPU tests skip without a GPU) in two lanes
+## (tests/conftest.py): every test of a Ray, one after another, beside the other files
 test: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadgroup --no-loadscope-reorder
 
 ## test-fast: the inner loop: the tests not marked `slow` or `serve` (no Ray Serve, no lint), under 3 min on 2 cores
 test-fast: venv

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -50,23 +51,63 @@ METRICS_EXPORT_FILES = {
 }
 
 
-def _run_order(item, ray_files: set[Path]) -> int:
+# `make test` runs two lanes (pytest-xdist, two workers, --dist loadgroup): every test of a Ray, the session's or a
+# server of its own, one after another in one lane (two Ray clusters on 2 cores starve each other), beside the other
+# files. Half of 2 cores sat idle with one lane: a server starts on about one core, one process after another.
+RAY_LANE = "ray"
+# Own-server files that check what is served rather than how fast or how soon: the Ray lane's first ~300 s, while
+# the other lane's CPU-bound files (training, export) run beside them. The timing-sensitive ones come after.
+BESIDE_THE_OTHER_LANE = (
+    "test_deploy_cluster.py",  # first: before the session's Ray, which it would otherwise run beside
+    "test_grpc_proxy.py",
+    "test_optimize_measure.py",
+    "test_scale_bench.py",
+    "test_launcher.py",
+    "test_metrics_bounded.py",
+)
+
+
+def uses_ray(item) -> bool:
+    return "serve_port" in item.fixturenames or item.get_closest_marker("serve") is not None
+
+
+def lane(item) -> str:
+    """The Ray lane, or for any other test its file: a unit of its own, its module fixtures (models trained,
+    exported) built once, handed whole to whichever worker is free."""
+    return RAY_LANE if uses_ray(item) else item.path.name
+
+
+def _run_order(item) -> tuple[int, int]:
+    """The queue: the Ray lane first (given whole to one worker): the own-server files of BESIDE_THE_OTHER_LANE,
+    then the other own-server tests, then the files that scrape the session Ray's metrics export (while it is
+    small), then the rest of the session's tests; after it, the other files one by one, to the other worker."""
     name = item.path.name
-    if name == "test_deploy_cluster.py":
-        return 0
-    if item.path not in ray_files:
-        return 1
-    return 2 if name in METRICS_EXPORT_FILES else 3
+    if not uses_ray(item):
+        return 1, 0
+    if "serve_port" not in item.fixturenames:
+        first = name in BESIDE_THE_OTHER_LANE
+        return 0, BESIDE_THE_OTHER_LANE.index(name) if first else len(BESIDE_THE_OTHER_LANE)
+    return 0, len(BESIDE_THE_OTHER_LANE) + (1 if name in METRICS_EXPORT_FILES else 2)
 
 
+def pytest_configure(config):
+    """In a lane of `make test`: torch and numpy on one thread each. The lanes share 2 cores, and OpenMP's threads
+    spin while they wait for a core the other lane holds."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def pytest_itemcollected(item):
+    """Each test's lane, as an xdist_group (before any collection_modifyitems hook, where xdist reads them)."""
+    item.add_marker(pytest.mark.xdist_group(lane(item)))
+
+
+@pytest.hookimpl(trylast=True)  # after pytest has grouped the tests of each fixture param
 def pytest_collection_modifyitems(config, items):
-    """The multi-node cluster test runs first, before the session's own Ray starts (two Ray clusters on 2 cores
-    starve each other); then every file that does not use the session's Ray, so that its idle Serve applications
-    (~15 % of 2 cores) do not run beside them; then the files that scrape the session Ray's metrics export, while
-    it is small; then the rest. Tests marked `gpu` need onnxruntime-gpu and an NVIDIA device; skipped (saying so)
-    otherwise."""
-    ray_files = {item.path for item in items if "serve_port" in item.fixturenames}
-    items.sort(key=lambda item: _run_order(item, ray_files))  # stable: keeps each file's tests in order
+    """The order of the queue `make test` hands its two workers (kept there by --no-loadscope-reorder; a plain
+    `pytest` runs the same order in one process). Tests marked `gpu` need onnxruntime-gpu and an NVIDIA device;
+    skipped (saying so) otherwise."""
+    items.sort(key=_run_order)  # stable: keeps each file's tests in order
     if _gpu_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU and onnxruntime-gpu (CUDAExecutionProvider)")
