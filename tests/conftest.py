@@ -102,6 +102,16 @@ def pytest_itemcollected(item):
     item.add_marker(pytest.mark.xdist_group(lane(item)))
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook, in the process that hands the tests out
+def pytest_xdist_node_collection_finished(node, ids):
+    """Under `make test`'s lanes: every test id carries its lane, where --dist loadgroup reads it, or the run stops
+    here (a pytest or pytest-xdist that loses the groups would run two Rays at once on the 2 cores)."""
+    if node.config.getoption("dist") == "loadgroup":
+        lost = [nodeid for nodeid in ids if nodeid.rfind("@") < nodeid.rfind("]") or "@" not in nodeid]
+        if lost:
+            raise pytest.UsageError(f"pytest-xdist's --dist loadgroup lost the lanes of {len(lost)} tests: {lost[0]}")
+
+
 @pytest.hookimpl(trylast=True)  # after pytest has grouped the tests of each fixture param
 def pytest_collection_modifyitems(config, items):
     """The order of the queue `make test` hands its two workers (kept there by --no-loadscope-reorder; a plain
