@@ -55,20 +55,31 @@ METRICS_EXPORT_FILES = {
 # server of its own, one after another in one lane (two Ray clusters on 2 cores starve each other), beside the other
 # files. Half of 2 cores sat idle with one lane: a server starts on about one core, one process after another.
 RAY_LANE = "ray"
-# Own-server files that check what is served rather than how fast or how soon: the Ray lane's first ~300 s, while
-# the other lane's CPU-bound files (training, export) run beside them. The timing-sensitive ones come after.
-BESIDE_THE_OTHER_LANE = (
+# The Ray lane's own-server files in this order. The first ones check what is served rather than how fast or how
+# soon: they run while the other lane's CPU-bound files (training, export; ~300-480 s) take a core beside them. Last,
+# those that time the service or start two servers at once (Ray gives a node 30 s to register, and two starts on
+# busy cores once took longer).
+OWN_SERVER_ORDER = (
     "test_deploy_cluster.py",  # first: before the session's Ray, which it would otherwise run beside
     "test_grpc_proxy.py",
     "test_optimize_measure.py",
-    "test_scale_bench.py",
     "test_launcher.py",
     "test_metrics_bounded.py",
+    "test_routes.py",
+    "test_repository.py",
+    "test_processes.py",
+    "test_reliability.py",
+    "test_soak_bench.py",
+    "test_stop_signals.py",
+    "test_scale_bench.py",
+    "test_slow_heads.py",
 )
 
 
 def uses_ray(item) -> bool:
-    return "serve_port" in item.fixturenames or item.get_closest_marker("serve") is not None
+    """Whether the test runs on the session's Ray or starts a Ray of its own (marked `serve` or `ray`)."""
+    marked = item.get_closest_marker("serve") or item.get_closest_marker("ray")
+    return "serve_port" in item.fixturenames or marked is not None
 
 
 def lane(item) -> str:
@@ -78,16 +89,16 @@ def lane(item) -> str:
 
 
 def _run_order(item) -> tuple[int, int]:
-    """The queue: the Ray lane first (given whole to one worker): the own-server files of BESIDE_THE_OTHER_LANE,
-    then the other own-server tests, then the files that scrape the session Ray's metrics export (while it is
-    small), then the rest of the session's tests; after it, the other files one by one, to the other worker."""
+    """The queue: the Ray lane first (given whole to one worker): the own-server files in OWN_SERVER_ORDER (any
+    other after them), then the files that scrape the session Ray's metrics export (while it is small), then the
+    rest of the session's tests; after it, the other files one by one, to the other worker."""
     name = item.path.name
     if not uses_ray(item):
         return 1, 0
+    last = len(OWN_SERVER_ORDER)
     if "serve_port" not in item.fixturenames:
-        first = name in BESIDE_THE_OTHER_LANE
-        return 0, BESIDE_THE_OTHER_LANE.index(name) if first else len(BESIDE_THE_OTHER_LANE)
-    return 0, len(BESIDE_THE_OTHER_LANE) + (1 if name in METRICS_EXPORT_FILES else 2)
+        return 0, OWN_SERVER_ORDER.index(name) if name in OWN_SERVER_ORDER else last
+    return 0, last + (1 if name in METRICS_EXPORT_FILES else 2)
 
 
 def pytest_configure(config):
@@ -107,7 +118,7 @@ def pytest_xdist_node_collection_finished(node, ids):
     """Under `make test`'s lanes: every test id carries its lane, where --dist loadgroup reads it, or the run stops
     here (a pytest or pytest-xdist that loses the groups would run two Rays at once on the 2 cores)."""
     if node.config.getoption("dist") == "loadgroup":
-        lost = [nodeid for nodeid in ids if nodeid.rfind("@") < nodeid.rfind("]") or "@" not in nodeid]
+        lost = [nodeid for nodeid in ids if nodeid.rfind("@") <= nodeid.rfind("]")]  # "[a@b]": no lane
         if lost:
             raise pytest.UsageError(f"pytest-xdist's --dist loadgroup lost the lanes of {len(lost)} tests: {lost[0]}")
 

@@ -84,6 +84,7 @@ print(bool(int(status["SigIgn"], 16) >> (signal.SIGTERM - 1) & 1), inherited)
 
 
 @pytest.mark.slow
+@pytest.mark.ray
 @pytest.mark.parametrize("user_value", [None, "0"], ids=["unset", "set-by-the-user"])
 def test_the_servers_ray_shutdown_leaves_its_sigterm_handling_and_ray_processes_keep_their_handler(user_value):
     """The server's driver goes without Ray's failure-signal handler, whose removal at shutdown resets SIGTERM to its
