@@ -54,8 +54,8 @@ def start_ray_and_serve(metrics_port: int | None = None, grpc_port: int | None =
     port = free_port()
     # Ray exports metrics every 10 s by default; 1 s keeps the metrics tests short (Ray's processes inherit it).
     os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
-    # Serve's controller reconciles every 0.1 s by default: a quarter of the session's idle CPU with its applications
-    # deployed (13 % of 2 cores in all). The local launcher's interval leaves more of the cores to the tests.
+    # Serve's controller reconciles every 0.1 s by default, a good part of what the session's idle applications cost;
+    # the local launcher's interval leaves more of the 2 cores to the tests.
     control_loop = "RAY_SERVE_CONTROL_LOOP_INTERVAL_S"
     os.environ.setdefault(control_loop, LOCAL_RAY_ENV[control_loop])
     # Requests come through Serve's proxy (with the image's proxy limits) and Ray runs Serve's settings of the pods
