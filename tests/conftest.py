@@ -181,10 +181,9 @@ def service(request, serve_port, tiny_models_dir, session_apps):
     from serving import deploy
 
     name = "main" if request.param == "colocated" else f"main-{request.param}"
-    if name not in session_apps:
-        session_apps[name] = deploy(
-            serve_port, name, tiny_models_dir, placement=request.param, ingress={"coalesce": True}
-        )
+    if name in session_apps:
+        return session_apps[name]
+    session_apps[name] = deploy(serve_port, name, tiny_models_dir, placement=request.param, ingress={"coalesce": True})
     return session_apps[name]
 
 
