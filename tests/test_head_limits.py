@@ -319,10 +319,11 @@ def test_on_a_kept_alive_connection_idle_time_is_keep_alive_s_and_the_next_head_
         out = []
         for after_response in (b"", b"GET / HTTP/1.1\r\nX-Slow: ", b"\r\n"):
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            asked = time.perf_counter()  # before the server's timers start, which is at its response's end
             writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
             first = await reader.readuntil(b"{}")
             writer.write(after_response)
-            answer, seconds = await _until_closed(reader, 5)
+            answer, seconds = await _until_closed(reader, 5, asked)
             out.append((first + answer, seconds))
             writer.close()
         return out
