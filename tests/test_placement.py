@@ -8,7 +8,7 @@ import os
 import pytest
 from pydantic import ValidationError
 
-from benchmarks.serving.stages import classify, stage_shares
+from benchmarks.serving.stages import UNSAMPLED, classify, stage_shares
 from contract.metadata import ModelMetadata
 from service.app import ingress_gpus
 from service.batching import BatchPolicy
@@ -158,3 +158,18 @@ def test_a_profile_sample_counts_for_its_innermost_recognised_stage():
     assert classify(["main (x.py:1)"]) == "other"
     raw = f"{outer};Session.run (onnxruntime/a.py:1) 3\n{outer};Route.matches (starlette/routing.py:2) 1\n"
     assert stage_shares(raw) == {"ORT run": 0.75, "FastAPI / Starlette": 0.25}
+
+
+def test_a_profile_splits_each_threads_cpu_by_its_own_samples_and_leaves_out_samples_of_waits():
+    outer = "Thread.run (threading.py:982)"
+    raw = (
+        f"thread (11): loop;{outer};Session.run (onnxruntime/a.py:1) 3\n"
+        f"thread (11): loop;{outer};Route.matches (starlette/routing.py:2) 1\n"
+        f"thread (12): worker;{outer};_worker (concurrent/futures/thread.py:81) 40\n"  # waiting for work
+        f"thread (12): worker;{outer};merge (service/batching.py:46) 2\n"
+        f"thread (14): main;main (x.py:1) 30\n"
+    )
+    shares = stage_shares(raw, {11: 0.6, 12: 0.1, 13: 0.2, 14: 0.1})  # 13: CPU, never sampled (no Python frame)
+    expected = {"ORT run": 0.45, "FastAPI / Starlette": 0.15, "batching": 0.1, "other": 0.1, UNSAMPLED: 0.2}
+    assert shares == pytest.approx(expected), shares
+    assert stage_shares(raw)["other"] == 30 / 36  # by samples alone, the waits left out

@@ -75,13 +75,14 @@ class CpuWindow:
         `machine_busy_pct` (every core's time busy, anyone's work)."""
         wall, cpu, (busy, total) = time.monotonic() - self._t, tree_cpu(self.pids), machine_ticks()
         threads, names = threads_cpu(self.serving), {}
+        self._used_by_thread = {key: seconds - self._threads.get(key, 0.0) for key, seconds in threads.items()}
         for pid in self.serving:
             with contextlib.suppress(OSError):
                 names |= {(pid, tid): name for tid, name in thread_names(pid).items()}
         used = {pid: cpu[pid] - self._cpu[pid] for pid in cpu if pid in self._cpu}
         kinds = dict.fromkeys(THREAD_KINDS, 0.0)
-        for key, seconds in threads.items():  # a thread started within the window counts from 0
-            kinds[thread_kind(names.get(key, ""))] += seconds - self._threads.get(key, 0.0)
+        for key, seconds in self._used_by_thread.items():  # a thread started within the window counts from 0
+            kinds[thread_kind(names.get(key, ""))] += seconds
         busy0, total0 = self._ticks
         return {
             "server_cpu_cores": sum(used.values()) / wall,
@@ -89,6 +90,10 @@ class CpuWindow:
             "thread_cpu_s": kinds,
             "machine_busy_pct": 100 * (busy - busy0) / max(1, total - total0),
         }
+
+    def thread_cpu_s(self, pid: int) -> dict[int, float]:
+        """CPU seconds of each thread of serving process `pid` over the window ended, by thread id."""
+        return {tid: seconds for (owner, tid), seconds in self._used_by_thread.items() if owner == pid}
 
 
 class GpuSampler:

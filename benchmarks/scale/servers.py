@@ -109,7 +109,7 @@ def window(pool: ClientPool, server: ServerProcess, gpu: GpuSampler, args, name:
     out = cpu.end()
     out.update(merged(pool.collect(len(commands), deadline), seconds))
     if spy is not None:
-        out["stages"] = recorded_shares(*spy)
+        out["stages"] = recorded_shares(*spy, cpu.thread_cpu_s(cpu.serving[0]))
     answered = out["rate"] * seconds  # the serving processes' CPU per request answered, by kind of thread
     out["thread_us"] = {kind: 1e6 * cpu_s / answered for kind, cpu_s in out.pop("thread_cpu_s").items() if answered}
     if gpu.present:

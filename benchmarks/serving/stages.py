@@ -1,6 +1,7 @@
 """CPU per request by stage of the request path: py-spy samples of the ingress replica under load, each attributed to
-the innermost stage it recognises, scaled by the replica's CPU per request (/proc). `python -m benchmarks.serving
---profile` runs it; `python -m benchmarks.serving.stages FILE` reads a py-spy raw file (`py-spy record -f raw`)."""
+the innermost stage it recognises; each thread's CPU (/proc) split by its own samples' stages. `python -m
+benchmarks.serving --profile` runs it; `python -m benchmarks.serving.stages FILE` reads a py-spy raw file (`py-spy
+record -f raw`)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from benchmarks.harness.processes import cpu_seconds, py_spy
+from benchmarks.harness.processes import cpu_seconds, py_spy, thread_cpu
 from benchmarks.harness.server import ServerProcess
 from benchmarks.serving.requests import request_bodies
 from benchmarks.serving.rounds import WARMUP_S
@@ -33,6 +34,11 @@ STAGES: list[tuple[str, re.Pattern]] = [
     ("Ray worker", re.compile(r"ray/")),
 ]
 OTHER = "other"
+UNSAMPLED = "native threads (no Python frame: Ray's, gRPC's, ORT's)"
+THREAD = re.compile(r"^thread \((\d+)\)")  # py-spy --threads: a stack's first frame names its thread
+# A sample whose innermost frame is one of these is a thread waiting, not working: py-spy counts a waiting thread as
+# active from its wake-up until it runs again (runnable, waiting for a core), which on busy cores is long.
+WAITING = re.compile(r"^(_worker \(concurrent/futures/thread\.py|\w+\.wait \(threading\.py)")
 
 
 def classify(frames: list[str]) -> str:
@@ -44,15 +50,45 @@ def classify(frames: list[str]) -> str:
     return OTHER
 
 
-def stage_shares(raw: str) -> dict[str, float]:
-    """py-spy raw output (`frame;frame;... count` per line) -> stage -> share of the samples."""
-    counts: Counter[str] = Counter()
+def thread_stages(raw: str) -> dict[int | None, Counter[str]]:
+    """py-spy raw output (`frame;frame;... count` per line; recorded with --threads, the first frame names the
+    thread: `thread (TID): NAME`) -> thread id (None without --threads) -> stage -> samples."""
+    counts: dict[int | None, Counter[str]] = {}
     for line in raw.splitlines():
         stack, _, n = line.rstrip().rpartition(" ")
-        if stack and n.isdigit():
-            counts[classify(stack.split(";"))] += int(n)
-    total = sum(counts.values()) or 1
-    return {stage: counts[stage] / total for stage in [s for s, _ in STAGES] + [OTHER] if counts[stage]}
+        if not (stack and n.isdigit()):
+            continue
+        frames = stack.split(";")
+        tid = None
+        if named := THREAD.match(frames[0]):
+            tid, frames = int(named.group(1)), frames[1:]
+        if not (frames and WAITING.match(frames[-1])):
+            counts.setdefault(tid, Counter())[classify(frames)] += int(n)
+    return counts
+
+
+def stage_shares(raw: str, thread_cpu_s: dict[int, float] | None = None) -> dict[str, float]:
+    """Stage -> share of the process's CPU. With `thread_cpu_s` (each thread's CPU seconds over the recording, by
+    thread id, of a recording with --threads), each thread's CPU is split by its own samples' stages, so a thread
+    seldom running weighs what it used, not how often py-spy saw it; a thread that used CPU with no working sample
+    (no Python frame: Ray's, gRPC's and ORT's own threads) counts as UNSAMPLED. Without it, the samples' shares. A
+    sample of a thread waiting (WAITING) counts nowhere."""
+    weighted: Counter[str] = Counter()
+    per_thread = thread_stages(raw)
+    if thread_cpu_s:
+        for tid, cpu_s in thread_cpu_s.items():
+            samples = per_thread.get(tid)
+            if not samples:
+                weighted[UNSAMPLED] += cpu_s
+                continue
+            n = sum(samples.values())
+            for stage, k in samples.items():
+                weighted[stage] += cpu_s * k / n
+    else:
+        for samples in per_thread.values():
+            weighted.update(samples)
+    total = sum(weighted.values()) or 1
+    return {stage: weighted[stage] / total for stage in [s for s, _ in STAGES] + [OTHER, UNSAMPLED] if weighted[stage]}
 
 
 def table(shares: dict[str, float], cpu_ms_per_request: float | None = None) -> str:
@@ -70,17 +106,19 @@ def start_recording(pid: int, seconds: float, rate: int = 200) -> tuple[subproce
     file; OSError if there is no py-spy."""
     raw = Path(tempfile.mkdtemp(prefix="mha-profile-")) / "py-spy.txt"
     cmd = [py_spy(), "record", "-p", str(pid), "-d", str(max(1, int(seconds))), "-r", str(rate), "-f", "raw"]
-    spy = subprocess.Popen([*cmd, "-o", str(raw), "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    cmd += ["--threads", "-o", str(raw), "--nonblocking"]  # --threads: each sample names its thread (stage_shares)
+    spy = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     return spy, raw
 
 
-def recorded_shares(spy: subprocess.Popen, raw: Path) -> dict[str, float]:
-    """A recording's stage shares once py-spy has ended; empty if it failed (it says why on stderr)."""
+def recorded_shares(spy: subprocess.Popen, raw: Path, thread_cpu_s: dict[int, float] | None = None) -> dict[str, float]:
+    """A recording's stage shares (stage_shares) once py-spy has ended; empty if it failed (it says why on
+    stderr)."""
     _, err = spy.communicate(timeout=60)
     if not raw.is_file():
         print(f"py-spy failed: {err.decode(errors='replace').strip()[-300:]}", file=sys.stderr)
         return {}
-    return stage_shares(raw.read_text())
+    return stage_shares(raw.read_text(), thread_cpu_s)
 
 
 def loaded_stages(port: int, name: str, seconds: float, concurrency: int, pid: int) -> dict:
@@ -89,10 +127,11 @@ def loaded_stages(port: int, name: str, seconds: float, concurrency: int, pid: i
     requests = [post_bytes(f"/v2/models/{name}/infer", b) for b in request_bodies(64)]
     load(port, requests, concurrency, WARMUP_S)
     spy, raw = start_recording(pid, seconds)
-    cpu_before = cpu_seconds(pid)
+    cpu_before, threads_before = cpu_seconds(pid), thread_cpu(pid)
     loaded: LoadResult = load(port, requests, concurrency, seconds)
     cpu_ms = (cpu_seconds(pid) - cpu_before) * 1e3 / max(1, loaded.requests + loaded.errors)
-    shares = recorded_shares(spy, raw)
+    threads = {tid: cpu_s - threads_before.get(tid, 0.0) for tid, cpu_s in thread_cpu(pid).items()}
+    shares = recorded_shares(spy, raw, threads)
     return {"cpu_ms_per_request": cpu_ms, "shares": shares} if shares else {}
 
 
