@@ -232,11 +232,11 @@ def test_a_body_that_does_not_arrive_in_time_is_a_408_and_frees_its_slot(limited
 
 
 def test_more_inference_requests_than_max_in_flight_get_a_quick_json_503_with_retry_after(serve_port, tiny_models_dir):
-    """limits.max_in_flight 2, a 0.5 s batch window: of 8 concurrent requests, those past 2 are refused at once."""
+    """limits.max_in_flight 2, a 1 s batch window: of 8 concurrent requests, those past 2 are refused at once."""
     from ray import serve
     from serving import deploy
 
-    settings = {"batch_wait_timeout_s": 0.5, "max_batch_size": 64}
+    settings = {"batch_wait_timeout_s": 1.0, "max_batch_size": 64}
     served = deploy(
         serve_port, "inflight", tiny_models_dir, models=["mha-h2-d32"], deployment=settings, limits={"max_in_flight": 2}
     )
@@ -255,7 +255,8 @@ def test_more_inference_requests_than_max_in_flight_get_a_quick_json_503_with_re
         refused = [(r, s) for r, s in results if r.status_code == 503]
         assert refused and len(refused) + sum(r.status_code == 200 for r, _ in results) == 8
         for r, seconds in refused:
-            assert "over capacity" in r.json()["error"] and r.headers["retry-after"] == "1" and seconds < 0.4
+            assert "over capacity" in r.json()["error"] and r.headers["retry-after"] == "1"
+            assert seconds < settings["batch_wait_timeout_s"] / 2, seconds  # not held as the admitted are
     finally:
         serve.delete("inflight")
 
