@@ -3,12 +3,16 @@ request, and clean SIGTERM shutdown."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import http.server
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -178,6 +182,57 @@ def test_serve_starts_answers_on_its_port_logs_each_request_and_stops_cleanly_ho
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", port))  # the port is free again
+
+
+@contextlib.contextmanager
+def _answering(status: int, body: bytes, delay_s: float = 0.0):
+    """A real HTTP server on loopback answering every GET with `status` and `body` after `delay_s`; its port."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            time.sleep(delay_s)
+            with contextlib.suppress(ConnectionError):  # a client that gave up waiting
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield httpd.server_address[1]
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def _report(port: int) -> argparse.Namespace:
+    return argparse.Namespace(host="127.0.0.1", port=port, grpc_port=None, proxy=False, metrics_port=free_port())
+
+
+def test_the_start_report_lists_the_models_and_without_a_list_says_why_and_goes_on(capsys, monkeypatch):
+    """The report asks the public port, where a flood may hold the connection cap from the first second: what it
+    cannot list must not stop a server that is up (it once raised KeyError on the cap's 503, and the server went)."""
+    listed = {"models": [{"name": "m", "ready": True, "heads": 2, "head_dim": 16, "d_model": 32, "backend": "cpu"}]}
+    capped = {"error": "the server holds its limit of 50 connections; retry later"}
+    monkeypatch.setattr(launcher, "REPORT_TIMEOUT_S", 0.3)
+    with _answering(200, json.dumps(listed).encode()) as port:
+        launcher.report(_report(port))
+    assert "model m: h=2 head_dim=16 d_model=32 on cpu" in capsys.readouterr().out
+    with _answering(503, json.dumps(capped).encode()) as port:
+        launcher.report(_report(port))
+    out = capsys.readouterr().out
+    assert f"models: not listed at start (HTTP 503: {capped['error']}); GET http://127.0.0.1:{port}/v1/models" in out
+    assert out.rstrip().endswith("Ctrl-C to stop.")
+    with _answering(200, b"<html>", delay_s=1) as port:
+        launcher.report(_report(port))
+    assert "models: not listed at start (ReadTimeout: " in capsys.readouterr().out
+    with _answering(200, b"not json") as port:
+        launcher.report(_report(port))
+    assert "models: not listed at start (HTTP 200: not json)" in capsys.readouterr().out
 
 
 def test_free_ports_come_from_below_the_ephemeral_range_and_are_never_handed_out_twice():

@@ -177,11 +177,31 @@ def describe_routes(config: AppConfig) -> str:
     return "; ".join(f"{name} -> {route.model_dump(exclude_none=True)}" for name, route in config.routes.items())
 
 
-def report(args: argparse.Namespace) -> None:
+REPORT_TIMEOUT_S = 10.0  # the start report's model list: not worth holding up the reload handler longer
+
+
+def model_list(base: str) -> tuple[list[dict], str | None]:
+    """The models as GET /v1/models lists them, or why there is no list. Asked through the public port, so a flood
+    that holds the connection cap or overloads the server from its first second answers it; the server is up and
+    must stay up whatever this gets."""
     import httpx
 
-    base = f"http://{args.host}:{args.port}"
-    models = httpx.get(f"{base}/v1/models", timeout=30).json()["models"]
+    try:
+        answer = httpx.get(f"{base}/v1/models", timeout=REPORT_TIMEOUT_S)
+    except httpx.HTTPError as exc:
+        return [], f"{type(exc).__name__}: {exc}"
+    try:
+        body = answer.json()
+    except ValueError:
+        body = None
+    if answer.status_code != 200 or not isinstance(body, dict) or not isinstance(body.get("models"), list):
+        said = body.get("error") if isinstance(body, dict) else None
+        return [], f"HTTP {answer.status_code}: {said or answer.text[:200]}"
+    return body["models"], None
+
+
+def report(args: argparse.Namespace) -> None:
+    models, unlisted = model_list(f"http://{args.host}:{args.port}")
     everywhere = args.host in ("0.0.0.0", "::")  # a URL with it cannot be opened: show loopback, and say so
     shown = "127.0.0.1" if everywhere else args.host
     base = f"http://{shown}:{args.port}"
@@ -200,6 +220,8 @@ def report(args: argparse.Namespace) -> None:
         if args.proxy and not everywhere:
             print(f"  (Serve's gRPC proxy listens on every interface, not only {args.host})")
     print(f"  {'metrics (Prometheus)':<30} http://{shown}:{args.metrics_port}/metrics")
+    if unlisted is not None:
+        print(f"  models: not listed at start ({unlisted}); GET {base}/v1/models lists them")
     for m in models:
         if m["ready"]:
             print(
@@ -240,9 +262,9 @@ def serve(args: argparse.Namespace, opts: LocalServe, config: AppConfig) -> int:
     """Start, serve until SIGTERM (the supervisor's, for any stop signal), drain, stop; the exit status."""
     try:
         start_local(config, opts)
-        report(args)
         hangup = threading.Event()
-        signal.signal(signal.SIGHUP, lambda *_: hangup.set())
+        signal.signal(signal.SIGHUP, lambda *_: hangup.set())  # before the report: SIGHUP's default ends a process
+        report(args)
         while True:
             if hangup.wait(1.0):
                 hangup.clear()
