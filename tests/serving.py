@@ -186,19 +186,27 @@ def serve_command(args: list[str], log: Path, ready_s: float = 180) -> Iterator[
 
 @contextlib.contextmanager
 def serve_process(
-    args: list[str], log: Path, ready_s: float = 180, env: dict[str, str] | None = None
+    args: list[str],
+    log: Path,
+    ready_s: float = 180,
+    env: dict[str, str] | None = None,
+    hangup_after: str | None = None,
 ) -> Iterator[tuple[subprocess.Popen, str]]:
-    """`serve_command`, yielding the process too (to signal it); `env`: added to the environment."""
+    """`serve_command`, yielding the process too (to signal it); `env`: added to the environment; `hangup_after`: a
+    SIGHUP sent once this is in the log, before the server is ready."""
     cmd = [sys.executable, "-m", "service.cli", "serve", *args]
     environment = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=environment)
     try:
         deadline = time.monotonic() + ready_s
-        while "Ctrl-C to stop" not in log.read_text():
-            assert proc.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, f"not ready after {ready_s:.0f} s:\n" + log.read_text()
-            time.sleep(0.5)
+        while "Ctrl-C to stop" not in (text := log.read_text()):
+            assert proc.poll() is None, text
+            assert time.monotonic() < deadline, f"not ready after {ready_s:.0f} s:\n" + text
+            if hangup_after is not None and hangup_after in text:
+                proc.send_signal(signal.SIGHUP)
+                hangup_after = None
+            time.sleep(0.1 if hangup_after else 0.5)
         yield proc, log.read_text()
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -146,20 +146,25 @@ def test_up_finds_which_default_models_are_missing(tiny_models_dir, tmp_path):
 
 @pytest.mark.serve
 @pytest.mark.slow
-def test_serve_starts_answers_on_its_port_logs_each_request_and_stops_cleanly_however_many_sigterms_follow(
+def test_serve_starts_through_a_sighup_answers_on_its_port_logs_each_request_and_stops_cleanly_however_many_sigterms(
     tiny_models_dir, tmp_path
 ):
-    """With --access-log, which the default start lacks only in its log (every ServerProcess test starts that). The
+    """With --access-log, which the default start lacks only in its log (every ServerProcess test starts that). A
+    SIGHUP while Ray starts (an operator's reload sent early) is a reload once the server is up, not its end. The
     stop: a SIGTERM every 0.1 s to the launcher and to its server process until they exit, as from an impatient
     operator or a stopper that signals every process: the second ends the drain, the rest come while Ray shuts down
     and must not turn a clean stop into an interrupted one (exit status 0)."""
     port, metrics_port, log = free_port(), free_port(), tmp_path / "serve.log"
     args = ["--models", str(tiny_models_dir), "--port", str(port), "--grpc-port", str(free_port())]
     args += ["--metrics-port", str(metrics_port), "--num-cpus", "2", "--access-log"]
-    with serve_process(args, log) as (proc, text):
+    with serve_process(args, log, hangup_after="starting Ray") as (proc, text):
         assert f"http://127.0.0.1:{port}/v2/models/{{name}}/infer" in text and "/docs" in text
         assert f"http://127.0.0.1:{metrics_port}/metrics" in text
         assert "model mha-h2-d32: h=2 head_dim=16 d_model=32 on cpu" in text
+        deadline = time.time() + 30
+        while "reload: the routes and models are unchanged" not in log.read_text():  # the early SIGHUP's reload
+            assert time.time() < deadline, "no reload within 30 s:\n" + log.read_text()
+            time.sleep(0.5)
         r = httpx.post(f"http://127.0.0.1:{port}/v1/models/mha-h2-d32/predict", json={"text": "hi"}, timeout=30)
         assert r.status_code == 200 and r.json()["model"] == "mha-h2-d32"
         assert httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).status_code == 200

@@ -260,10 +260,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def serve(args: argparse.Namespace, opts: LocalServe, config: AppConfig) -> int:
     """Start, serve until SIGTERM (the supervisor's, for any stop signal), drain, stop; the exit status."""
+    hangup = threading.Event()
+    signal.signal(signal.SIGHUP, lambda *_: hangup.set())  # from the start: SIGHUP's default would end the server
     try:
         start_local(config, opts)
-        hangup = threading.Event()
-        signal.signal(signal.SIGHUP, lambda *_: hangup.set())  # before the report: SIGHUP's default ends a process
         report(args)
         while True:
             if hangup.wait(1.0):
