@@ -177,7 +177,7 @@ def describe_routes(config: AppConfig) -> str:
     return "; ".join(f"{name} -> {route.model_dump(exclude_none=True)}" for name, route in config.routes.items())
 
 
-REPORT_TIMEOUT_S = 10.0  # the start report's model list: not worth holding up the reload handler longer
+REPORT_TIMEOUT_S = 10.0  # the start report's model list: a reload sent meanwhile waits for it
 
 
 def model_list(base: str) -> tuple[list[dict], str | None]:
