@@ -20,7 +20,7 @@ import httpx
 import pytest
 from serving import free_port, serve_process
 
-from service.local import launcher, ports, ray_env, up
+from service.local import launcher, ports, ray_env, start_report, up
 
 
 def test_missing_models_folder_is_one_line_and_exit_2(tmp_path, capsys):
@@ -223,20 +223,20 @@ def test_the_start_report_lists_the_models_and_without_a_list_says_why_and_goes_
     cannot list must not stop a server that is up (it once raised KeyError on the cap's 503, and the server went)."""
     listed = {"models": [{"name": "m", "ready": True, "heads": 2, "head_dim": 16, "d_model": 32, "backend": "cpu"}]}
     capped = {"error": "the server holds its limit of 50 connections; retry later"}
-    monkeypatch.setattr(launcher, "REPORT_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(start_report, "REPORT_TIMEOUT_S", 0.3)
     with _answering(200, json.dumps(listed).encode()) as port:
-        launcher.report(_report(port))
+        start_report.report(_report(port))
     assert "model m: h=2 head_dim=16 d_model=32 on cpu" in capsys.readouterr().out
     with _answering(503, json.dumps(capped).encode()) as port:
-        launcher.report(_report(port))
+        start_report.report(_report(port))
     out = capsys.readouterr().out
     assert f"models: not listed at start (HTTP 503: {capped['error']}); GET http://127.0.0.1:{port}/v1/models" in out
     assert out.rstrip().endswith("Ctrl-C to stop.")
     with _answering(200, b"<html>", delay_s=1) as port:
-        launcher.report(_report(port))
+        start_report.report(_report(port))
     assert "models: not listed at start (ReadTimeout: " in capsys.readouterr().out
     with _answering(200, b"not json") as port:
-        launcher.report(_report(port))
+        start_report.report(_report(port))
     assert "models: not listed at start (HTTP 200: not json)" in capsys.readouterr().out
 
 

@@ -29,6 +29,7 @@ from service.local.arguments import (
 )
 from service.local.drain import drain_and_stop, stop_ray
 from service.local.ray_env import import_ray_for_the_server, set_ray_env
+from service.local.start_report import report
 from service.model_store import find_models
 from service.routes import RouteConfigError, RouteTable
 
@@ -175,61 +176,6 @@ def describe_routes(config: AppConfig) -> str:
     if not config.routes:
         return "none"
     return "; ".join(f"{name} -> {route.model_dump(exclude_none=True)}" for name, route in config.routes.items())
-
-
-REPORT_TIMEOUT_S = 10.0  # the start report's model list: a reload sent meanwhile waits for it
-
-
-def model_list(base: str) -> tuple[list[dict], str | None]:
-    """The models as GET /v1/models lists them, or why there is no list. Asked through the public port, so a flood
-    that holds the connection cap or overloads the server from its first second answers it; the server is up and
-    must stay up whatever this gets."""
-    import httpx
-
-    try:
-        answer = httpx.get(f"{base}/v1/models", timeout=REPORT_TIMEOUT_S)
-    except httpx.HTTPError as exc:
-        return [], f"{type(exc).__name__}: {exc}"
-    try:
-        body = answer.json()
-    except ValueError:
-        body = None
-    if answer.status_code != 200 or not isinstance(body, dict) or not isinstance(body.get("models"), list):
-        said = body.get("error") if isinstance(body, dict) else None
-        return [], f"HTTP {answer.status_code}: {said or answer.text[:200]}"
-    return body["models"], None
-
-
-def report(args: argparse.Namespace) -> None:
-    models, unlisted = model_list(f"http://{args.host}:{args.port}")
-    everywhere = args.host in ("0.0.0.0", "::")  # a URL with it cannot be opened: show loopback, and say so
-    shown = "127.0.0.1" if everywhere else args.host
-    base = f"http://{shown}:{args.port}"
-    print(f"mha-serving: serving on {base}")
-    if everywhere:
-        print(f"  (listening on every interface, {args.host}: from elsewhere use this machine's name or address)")
-    for label, path in [
-        ("v2 (Open Inference Protocol)", "/v2/models/{name}/infer"),
-        ("simple JSON", "/v1/models/{name}/predict"),
-        ("model list", "/v1/models"),
-        ("OpenAPI docs", "/docs"),
-    ]:
-        print(f"  {label:<30} {base}{path}")
-    if args.grpc_port:
-        print(f"  {'gRPC (inference, grpc.health.v1)':<30} {shown}:{args.grpc_port}")
-        if args.proxy and not everywhere:
-            print(f"  (Serve's gRPC proxy listens on every interface, not only {args.host})")
-    print(f"  {'metrics (Prometheus)':<30} http://{shown}:{args.metrics_port}/metrics")
-    if unlisted is not None:
-        print(f"  models: not listed at start ({unlisted}); GET {base}/v1/models lists them")
-    for m in models:
-        if m["ready"]:
-            print(
-                f"  model {m['name']}: h={m['heads']} head_dim={m['head_dim']} d_model={m['d_model']} on {m['backend']}"
-            )
-        else:
-            print(f"  model {m['name']}: NOT READY: {m['error']}")
-    print("Ctrl-C to stop.", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
