@@ -12,12 +12,12 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
+from loopback_http import http_server
 from serving import free_port, serve_process
 
 from service.local import launcher, ports, ray_env, start_report, up
@@ -189,9 +189,8 @@ def test_serve_starts_through_a_sighup_answers_on_its_port_logs_each_request_and
         s.bind(("127.0.0.1", port))  # the port is free again
 
 
-@contextlib.contextmanager
-def _answering(status: int, body: bytes, delay_s: float = 0.0):
-    """A real HTTP server on loopback answering every GET with `status` and `body` after `delay_s`; its port."""
+def _answering(status: int, body: bytes, delay_s: float = 0.0) -> type[http.server.BaseHTTPRequestHandler]:
+    """A handler answering every GET with `status` and `body` after `delay_s`."""
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
@@ -205,13 +204,7 @@ def _answering(status: int, body: bytes, delay_s: float = 0.0):
         def log_message(self, *args) -> None:
             pass
 
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    try:
-        yield httpd.server_address[1]
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
+    return Handler
 
 
 def _report(port: int) -> argparse.Namespace:
@@ -224,18 +217,18 @@ def test_the_start_report_lists_the_models_and_without_a_list_says_why_and_goes_
     listed = {"models": [{"name": "m", "ready": True, "heads": 2, "head_dim": 16, "d_model": 32, "backend": "cpu"}]}
     capped = {"error": "the server holds its limit of 50 connections; retry later"}
     monkeypatch.setattr(start_report, "REPORT_TIMEOUT_S", 0.3)
-    with _answering(200, json.dumps(listed).encode()) as port:
+    with http_server(_answering(200, json.dumps(listed).encode())) as port:
         start_report.report(_report(port))
     assert "model m: h=2 head_dim=16 d_model=32 on cpu" in capsys.readouterr().out
-    with _answering(503, json.dumps(capped).encode()) as port:
+    with http_server(_answering(503, json.dumps(capped).encode())) as port:
         start_report.report(_report(port))
     out = capsys.readouterr().out
     assert f"models: not listed at start (HTTP 503: {capped['error']}); GET http://127.0.0.1:{port}/v1/models" in out
     assert out.rstrip().endswith("Ctrl-C to stop.")
-    with _answering(200, b"<html>", delay_s=1) as port:
+    with http_server(_answering(200, b"<html>", delay_s=1)) as port:
         start_report.report(_report(port))
     assert "models: not listed at start (ReadTimeout: " in capsys.readouterr().out
-    with _answering(200, b"not json") as port:
+    with http_server(_answering(200, b"not json")) as port:
         start_report.report(_report(port))
     assert "models: not listed at start (HTTP 200: not json)" in capsys.readouterr().out
 

@@ -8,10 +8,11 @@ import math
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import httpx
 import pytest
+from loopback_http import http_server
 
 from loadtest.agreement import ShadowMeter, read, shadow_report
 from loadtest.discovery import Route
@@ -143,14 +144,8 @@ class MovingMetrics:
             def log_message(self, *args) -> None:
                 pass
 
-        server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        thread = threading.Thread(target=server.serve_forever, daemon=True)
-        thread.start()
-        try:
-            yield f"http://127.0.0.1:{server.server_address[1]}/metrics"
-        finally:
-            server.shutdown()
-            server.server_close()
+        with http_server(Handler) as port:
+            yield f"http://127.0.0.1:{port}/metrics"
 
 
 @pytest.fixture

@@ -5,12 +5,11 @@ counting only what ended within the window)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import socket
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
+from loopback_http import http_server
 
 from loadtest.http_client import ConnectionPool, HTTPError, load, post_bytes
 
@@ -174,6 +173,8 @@ def test_a_port_nobody_listens_on_is_a_connect_error():
 
 
 class Handler(BaseHTTPRequestHandler):
+    """200 to the body "ok", 400 to anything else, on a kept-alive connection; chunked when the server says so."""
+
     protocol_version = "HTTP/1.1"  # keep-alive, as the client expects
 
     def do_POST(self) -> None:
@@ -193,24 +194,10 @@ class Handler(BaseHTTPRequestHandler):
         pass
 
 
-@contextlib.contextmanager
-def http_server(chunked: bool):
-    """A keep-alive HTTP/1.1 server on loopback answering 200 to the body "ok" and 400 to anything else."""
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    httpd.chunked = chunked  # type: ignore[attr-defined]
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield httpd.server_address[1]
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
-
-
 @pytest.mark.parametrize(("concurrency", "chunked"), [(1, False), (4, False), (4, True)])
 def test_load_counts_answers_and_errors_within_the_window(concurrency, chunked):
     requests = [post_bytes("/x", b"ok"), post_bytes("/x", b"ok"), post_bytes("/x", b"bad")]
-    with http_server(chunked) as port:
+    with http_server(Handler, chunked=chunked) as port:
         result = load(port, requests, concurrency, seconds=0.5, warmup_s=0.1)
     assert result.requests > 0 and result.errors > 0  # one request in three answers 400
     assert result.requests == pytest.approx(2 * result.errors, rel=0.2, abs=2 * concurrency)
@@ -220,5 +207,5 @@ def test_load_counts_answers_and_errors_within_the_window(concurrency, chunked):
 
 
 def test_one_connection_refuses_a_chunked_body_saying_so():
-    with http_server(chunked=True) as port, pytest.raises(ValueError, match="Content-Length bodies only"):
+    with http_server(Handler, chunked=True) as port, pytest.raises(ValueError, match="Content-Length bodies only"):
         load(port, [post_bytes("/x", b"ok")], 1, seconds=0.2)
