@@ -35,8 +35,30 @@ GPU_MODEL, CPU_MODEL = "mha-h4-d32", "mha-h2-d32"  # the conftest's tiny models
 GPU_TEMPLATE, CPU_TEMPLATE = "mha-h8-d512", "mha-h1-d512"  # real head configurations whose settings they take
 
 
-def wait_for(what: str, check: Callable[[], object], timeout_s: float = STEP_TIMEOUT_S):
-    return until(what, check, timeout_s)
+def wait_for(what: str, check: Callable[[], object], timeout_s: float = STEP_TIMEOUT_S, cluster=None):
+    """`until`; where it times out on `cluster`, the error also says what Ray and Serve reported (`serve_state`)."""
+    try:
+        return until(what, check, timeout_s)
+    except TimeoutError as exc:
+        if cluster is None:
+            raise
+        raise TimeoutError(f"{exc}; the cluster reported: {serve_state(cluster)}") from exc
+
+
+def serve_state(cluster: LocalCluster) -> object:
+    """The nodes' `ray start` processes that ended (with their exit codes), the alive nodes, and each deployment's
+    status, message and replicas' states and nodes; or why Ray or Serve could not be asked."""
+    ended = {n.name: n.proc.returncode for n in cluster.nodes if n.proc.poll() is not None}
+    try:
+        alive = [n["node_id"][:8] for n in cluster.alive_nodes()]
+        deployments = cluster.serve_details()["applications"]["mha"]["deployments"]
+    except (httpx.HTTPError, KeyError) as exc:
+        return {"ended": ended, "asking Ray": repr(exc)}
+    replicas = {
+        name: (d["status"], d.get("message", "")[:300], [(r["state"], r["node_id"][:8]) for r in d["replicas"]])
+        for name, d in deployments.items()
+    }
+    return {"ended": ended, "alive nodes": alive, "deployments": replicas}
 
 
 @pytest.fixture
@@ -86,12 +108,23 @@ def predict(cluster: LocalCluster, model: str, text: str = "heads in a cluster")
     return httpx.post(url, json={"text": text}, timeout=10)
 
 
+class NotAnswered(Exception):
+    """The model's answer was not a 200: its status and the start of its body."""
+
+
+def answer(cluster: LocalCluster, model: str) -> dict:
+    """The model's 200 answer; otherwise NotAnswered or httpx's error, which a wait reports when it times out."""
+    response = predict(cluster, model)
+    if response.status_code != 200:
+        raise NotAnswered(f"HTTP {response.status_code}: {response.text[:300]}")
+    return response.json()
+
+
 def answered(cluster: LocalCluster, model: str) -> dict | None:
     try:
-        response = predict(cluster, model)
-    except httpx.HTTPError:
+        return answer(cluster, model)
+    except (httpx.HTTPError, NotAnswered):
         return None
-    return response.json() if response.status_code == 200 else None
 
 
 def check_grpc(cluster: LocalCluster, models: list[str]) -> None:
@@ -157,7 +190,9 @@ def test_serve_config_deploys_on_two_nodes_places_by_resources_and_recovers_a_lo
     assert deploy.returncode == 0, deploy.stdout + deploy.stderr
 
     # every head configuration answers, through the one proxy, with the model it was asked for
-    first = {m: wait_for(f"{m} to answer", lambda m=m: answered(cluster, m)) for m in (CPU_MODEL, GPU_MODEL)}
+    first = {
+        m: wait_for(f"{m} to answer", lambda m=m: answer(cluster, m), cluster=cluster) for m in (CPU_MODEL, GPU_MODEL)
+    }
     for model, body in first.items():
         assert body["model"] == model and len(body["logits"][0]) == len(body["labels"])
     check_grpc(cluster, [CPU_MODEL, GPU_MODEL])
@@ -182,7 +217,8 @@ def test_serve_config_deploys_on_two_nodes_places_by_resources_and_recovers_a_lo
 
     # the node comes back (a new pod): Serve places the replica there again and the same model answers the same
     cluster.start("gpu-node-2", cpus=gpu_node_cpus, gpus=gpu_node_gpus)
-    again = wait_for(f"{GPU_MODEL} to answer again", lambda: answered(cluster, GPU_MODEL))
+    wait_for("the new GPU node", lambda: len(cluster.alive_nodes()) == 2, cluster=cluster)
+    again = wait_for(f"{GPU_MODEL} to answer again", lambda: answer(cluster, GPU_MODEL), cluster=cluster)
     # alike to float32 rounding: a retried request may have shared a batch (another GEMM shape) with its predecessor
     assert again["logits"][0] == pytest.approx(first[GPU_MODEL]["logits"][0], rel=1e-4, abs=1e-6)
     nodes = {n["node_id"]: n for n in cluster.alive_nodes()}
