@@ -1,7 +1,8 @@
 """Ingress-side request coalescing: requests for one model that wait in this ingress replica go to the model's
 deployment together, one Ray call per group, so the per-call cost of a hop is paid per group, not per request.
 
-A bounded wait list (the model's `max_queued_requests`) answers 503 when full. No torch.
+A bounded wait list (the model's `max_queued_requests`) answers 503 when full; a group whose clients all went away
+is cancelled and frees its slot, whether or not its call ever answers. No torch.
 """
 
 from __future__ import annotations
@@ -71,9 +72,15 @@ class Coalescer:
                 asyncio.get_running_loop().create_task(self._send(group))
 
     async def _send(self, group: list[Waiting]) -> None:
+        departures = None
         try:
             call = self._handle.infer_many.remote([(ids, mask) for ids, mask, _ in group])
+            departures = _Departures([future for *_, future in group], call)
             results = await answer_of(self.name, call)
+        except asyncio.CancelledError:
+            if departures is None or not departures.all_gone:
+                raise
+            # every client went away first: the call is cancelled and its slot freed, whether or not it ever answers
         except Exception as exc:  # a full queue, a lost replica or the model's own error: every request's answer
             for *_, future in group:
                 _fail(future, exc)
@@ -84,7 +91,29 @@ class Coalescer:
                 elif not future.done():
                     future.set_result(result)
         finally:
+            if departures is not None:
+                departures.settled = True  # set before the callbacks of the answers just given run
             self._slots.release()
+
+
+class _Departures:
+    """Counts a group's requests as they end; when every one has ended before the call settled (each client went
+    away), cancels the call and the task awaiting it: a call that never answers must not hold its slot for ever."""
+
+    def __init__(self, futures: list[asyncio.Future], call) -> None:
+        sender = asyncio.current_task()  # the task awaiting the call
+        assert sender is not None
+        self._open, self._call, self._sender = len(futures), call, sender
+        self.settled = self.all_gone = False
+        for future in futures:
+            future.add_done_callback(self._ended)
+
+    def _ended(self, _: asyncio.Future) -> None:
+        self._open -= 1
+        if self._open == 0 and not self.settled:
+            self.all_gone = True
+            self._call.cancel()
+            self._sender.cancel()
 
 
 def _fail(future: asyncio.Future, error: BaseException) -> None:
