@@ -126,3 +126,12 @@ def test_a_group_with_one_client_left_keeps_its_call_and_answers_that_client():
     groups, cancelled, rows = asyncio.run(scenario())
     assert groups == [[1, 2]] and cancelled == [False] and rows == 1
 
+
+def test_the_coalescer_benchmark_measures_this_tree_and_the_versus_tree_in_processes_of_their_own(capsys):
+    from benchmarks.coalescer import ROOT, main
+
+    assert main(["--versus", str(ROOT), "--requests", "64", "--rounds", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    figures = [float(part.split()[-1]) for line in lines[1:] for part in line.split(": ", 1)[1].split(", ")]
+    assert [line.split()[0] for line in lines[1:]] == ["this", "versus"] and len(figures) == 4
+    assert all(value > 0 for value in figures)

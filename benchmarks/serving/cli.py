@@ -42,8 +42,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--versus",
         type=Path,
         metavar="TREE",
-        help="also serve colocated from another checkout (e.g. `git worktree add /tmp/before <commit>`), measured "
-        "in the same rounds: this code's c=1 p50 and c=32 rate against that one's",
+        help="also serve from another checkout (e.g. `git worktree add /tmp/before <commit>`), colocated and in "
+        "deployments as those scenarios run, measured in the same rounds: this code's c=1 p50 and c=32 rate against "
+        "that one's",
     )
     p.add_argument("--json", type=Path, help="also write every figure here")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="set for the servers (levers)")

@@ -1,6 +1,6 @@
 """The serving benchmark's placement scenarios: `mha-serving serve` co-located beside bare ORT, the --versus tree's
-server and the plain FastAPI + ORT server in the same rounds; each model in its own deployment; the default model
-among the five default models against alone."""
+server and the plain FastAPI + ORT server in the same rounds; each model in its own deployment (and the --versus
+tree's); the default model among the five default models against alone."""
 
 from __future__ import annotations
 
@@ -62,16 +62,28 @@ def side_by_side(args, names: dict[str, str], scans: dict[str, dict], bare: dict
 
 
 def deployment(args, names: dict[str, str]) -> dict[str, dict]:
-    """Each model in its own deployment, the models measured in the same rounds."""
+    """Each model in its own deployment (with --versus, the other tree's too), the models measured in the same
+    rounds, each model's pair measured one right after the other."""
     print("mha-serving serve, placement deployment...", flush=True)
-    with serve(args.models, names, "deployment", args) as server:
-        run = started(server, list(names.values()))
+    with contextlib.ExitStack() as stack:
+        server = stack.enter_context(serve(args.models, names, "deployment", args))
+        runs = {"serve (deployment)": started(server, list(names.values()))}
         parts = {label: served_sides(server.port, n, args.concurrency, server, label) for label, n in names.items()}
-        got = rounds(interleaved(parts), args.rounds, args.seconds)
-        run.update({label: joined(got, label) for label in names})
+        if args.versus is not None:
+            print(f"mha-serving serve from {args.versus}, placement deployment...", flush=True)
+            before = stack.enter_context(serve(args.models, names, "deployment", args, tree=args.versus))
+            runs["versus (deployment)"] = started(before, list(names.values()))
+            for label, name in names.items():
+                parts[f"versus {label}"] = served_sides(before.port, name, args.concurrency, before, f"versus {label}")
+        order = [key for label in names for key in (label, f"versus {label}") if key in parts]  # pairs adjacent
+        got = rounds(interleaved({key: parts[key] for key in order}), args.rounds, args.seconds)
+        runs["serve (deployment)"].update({label: joined(got, label) for label in names})
+        if "versus (deployment)" in runs:
+            runs["versus (deployment)"].update({label: joined(got, f"versus {label}") for label in names})
         if args.profile:
-            profiled(server, names, args, run, [])
-    return {"serve (deployment)": run}
+            others = [before] if "versus (deployment)" in runs else []
+            profiled(server, names, args, runs["serve (deployment)"], others)
+    return runs
 
 
 def five_models(args, names: dict[str, str], five: list[str]) -> dict[str, dict]:
