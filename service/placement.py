@@ -20,6 +20,9 @@ from service.inference import ModelStatus
 from service.remote_calls import answer_of
 
 STATUS_TIMEOUT_S = 5.0  # a model deployment without a live replica answers nothing; say so instead of hanging
+# A mirrored run is refused at once by a busy replica and takes milliseconds otherwise: one still unanswered after
+# this is a call Ray will not answer, and the ingress's one shadow worker must go on to the next mirror.
+SPARE_TIMEOUT_S = 30.0
 
 
 class ModelPlacement(Protocol):
@@ -103,9 +106,11 @@ class Remote:
         return await answer_of(self.name, self._handle.infer.remote(ids, mask))
 
     async def spare_infer(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray | None:
-        """Its replica runs it only while it has no work of its own, and stops it when some comes."""
+        """Its replica runs it only while it has no work of its own, and stops it when some comes; TimeoutError
+        (a failed mirror) past SPARE_TIMEOUT_S."""
         try:
-            return await answer_of(self.name, self._handle.spare_infer.remote(ids, mask))
+            async with asyncio.timeout(SPARE_TIMEOUT_S):
+                return await answer_of(self.name, self._handle.spare_infer.remote(ids, mask))
         except ModelQueueFullError:  # its replica is full: no spare capacity
             return None
 
