@@ -121,6 +121,32 @@ class LocalCluster:
         self.nodes.append(node)
         return node
 
+    def start_alive(
+        self, name: str, cpus: float, gpus: float, head: bool = False, attempts: int = 3, timeout_s: float = 240.0
+    ) -> Node:
+        """`start`, then wait until the node is alive. A `ray start` that exits first (its raylet gave up, e.g. on
+        its dashboard agent slow to start on busy cores) is cleaned up and started again, as Kubernetes restarts a
+        pod's container, up to `attempts` times; its log keeps every attempt."""
+        before = 0 if head else len(self.alive_nodes())
+        for _ in range(attempts):
+            node = self.start(name, cpus, gpus, head)
+            deadline = time.monotonic() + timeout_s
+            while node.proc.poll() is None:
+                if self._alive_count() > before:
+                    return node
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"node {name} not alive after {timeout_s:g} s; see {self.root / name}.log")
+                time.sleep(1)
+            self.kill(node, grace_s=5)  # what the failed start left behind
+            self.nodes.remove(node)
+        raise RuntimeError(f"`ray start` of node {name} exited {attempts} times; see {self.root / name}.log")
+
+    def _alive_count(self) -> int:
+        try:
+            return len(self.alive_nodes())
+        except httpx.HTTPError:  # the head's dashboard not up yet
+            return 0
+
     def kill(self, node: Node, sig: int = signal.SIGKILL, grace_s: float = 20) -> float:
         """Every process of this node (`processes`), like a pod that disappears; SIGKILL for what is left after
         `grace_s`. Returns the monotonic time the signals went out."""
