@@ -1,7 +1,7 @@
 """The ingress's coalescer (service/coalescer.py): requests waiting for a model's deployment go as one call per
 group, the rows of a request whose client went away while it waited are never sent, and a group whose clients all
-went away frees its slot even if its call never answers. The deployment's handle is
-a stand-in that records what it is sent: the coalescer, not Serve, is what these tests check."""
+went away frees its slot even if its call never answers. The deployment's handle is a stand-in that records what it
+is sent: the coalescer, not Serve, is what these tests check."""
 
 from __future__ import annotations
 
