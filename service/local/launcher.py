@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from service.model_store import find_models
 from service.routes import RouteConfigError, RouteTable
 
 APP_NAME = "mha"
+RELOAD_APPLIED_S = 120.0  # every serving process opens the models added (ORT session, warm-up) before it has applied
 
 
 def cpus_needed(config: AppConfig, names: list[str]) -> float:
@@ -161,7 +163,11 @@ def reload(args: argparse.Namespace, opts: LocalServe, running: AppConfig) -> Ap
         return running
     updated = running.model_copy(update={"routes": new.routes})
     routes = serve_control.ingress_user_config(updated)["routes"]
-    serve_control.update_ingress(APP_NAME, {"routes": routes, "models": wanted})
+    try:
+        serve_control.update_ingress(APP_NAME, {"routes": routes, "models": wanted})
+    except Exception as exc:  # Serve's controller refused the config (or is gone): nothing was applied
+        print(f"mha-serving serve: reload refused by Serve, still serving the previous config: {exc}", file=sys.stderr)
+        return running
     added, gone = sorted(set(wanted) - set(loaded)), sorted(set(loaded) - set(wanted))
     print(
         f"mha-serving: reload: routes {describe_routes(updated)}; models loaded {added or 'none'}, unloaded "
@@ -169,6 +175,22 @@ def reload(args: argparse.Namespace, opts: LocalServe, running: AppConfig) -> Ap
         file=sys.stderr,
         flush=True,
     )
+    # Serve marks the application deploying until every serving process has reconfigured: until then some
+    # processes still answer with the previous routes, so the operator is told when the reload is whole.
+    try:
+        applied = serve_control.wait_running(APP_NAME, deadline=time.monotonic() + RELOAD_APPLIED_S)
+    except RuntimeError as exc:  # a process failed to apply it: the server keeps serving, and says so
+        print(f"mha-serving serve: reload failed in a serving process: {_first_reason(exc)}", file=sys.stderr)
+        return updated
+    if applied:
+        print("mha-serving: reload: applied in every serving process", file=sys.stderr, flush=True)
+    else:
+        print(
+            f"mha-serving serve: reload: not every serving process applied it within {RELOAD_APPLIED_S:g} s "
+            f"(`serve status` says why)",
+            file=sys.stderr,
+            flush=True,
+        )
     return updated
 
 
