@@ -34,6 +34,7 @@ SERVE_CONFIG = ROOT / "deploy" / "serve_config.yaml"
 # Set to the node's temp dir in every process a node starts: Ray hands its environment down to the workers, whose
 # command lines (renamed after their actors) no longer name the temp dir.
 NODE_MARKER = "MHA_LOCAL_CLUSTER_NODE"
+SERVE_PORT_SPAN = 100  # each of a cluster's ranges for the replicas' own servers (Serve tries the next if taken)
 
 
 def way_in(extra_env: dict[str, str]) -> str:
@@ -63,6 +64,9 @@ class LocalCluster:
     grpc_port: int = field(default_factory=free_port)
     # HAProxy's own metrics and stats ports: fixed by default (9101, 8404), so two clusters on one machine would clash
     haproxy_ports: tuple[int, int] = field(default_factory=lambda: (free_port(), free_port()))
+    # Serve's fixed ranges too: the replicas' own HTTP and gRPC servers from 30000 and 40000, the head's fallback
+    # proxy on 8500 and 9500. Two clusters' HAProxies would forward to each other's replicas.
+    serve_ports: tuple[int, int, int, int] = field(default_factory=lambda: tuple(free_port() for _ in range(4)))
     extra_env: dict[str, str] = field(default_factory=dict)  # for every node, last: wins over the settings below
 
     @property
@@ -78,7 +82,19 @@ class LocalCluster:
             "RAY_health_check_failure_threshold": "3",
             "RAY_SERVE_HAPROXY_METRICS_PORT": str(self.haproxy_ports[0]),
             "RAY_SERVE_HAPROXY_STATS_PORT": str(self.haproxy_ports[1]),
+            **self._serve_ports_env(),
             **self.extra_env,
+        }
+
+    def _serve_ports_env(self) -> dict[str, str]:
+        http, grpc, fallback_http, fallback_grpc = self.serve_ports
+        return {
+            "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(http),
+            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(http + SERVE_PORT_SPAN),
+            "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": str(grpc),
+            "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": str(grpc + SERVE_PORT_SPAN),
+            "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(fallback_http),
+            "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": str(fallback_grpc),
         }
 
     @property
@@ -114,8 +130,8 @@ class LocalCluster:
             ]
         else:
             args += [f"--address=127.0.0.1:{self.gcs_port}"]
-        log = (self.root / f"{name}.log").open("ab")
         env = {**self.env, NODE_MARKER: str(temp_dir)}
+        log = (self.root / f"{name}.log").open("ab")
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         node = Node(name, proc, temp_dir)
         self.nodes.append(node)
