@@ -53,6 +53,8 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=igno
 ENV RAY_DEFAULT_OBJECT_STORE_MAX_MEMORY_BYTES=1000000000
 # On a cluster, Serve's proxy checks the default request limits before it reads a body (service/http/limits.py).
 ENV RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=service.http.limits:proxy_middlewares
+# On a cluster, Serve's HAProxy runs without kernel splicing (service/haproxy_nosplice.py): linked here below.
+ENV RAY_SERVE_HAPROXY_BINARY_PATH=/usr/local/bin/mha-serving-haproxy
 USER 0
 COPY --from=build /wheels/ /tmp/wheels/
 # The serving install (the wheel's dependencies: no torch, onnx or matplotlib) with one ONNX Runtime; wget for
@@ -64,6 +66,9 @@ RUN if ! command -v wget >/dev/null; then \
       useradd --uid 1000 --gid 100 --create-home --home-dir /home/ray --shell /bin/bash ray; fi \
  && python -m pip install $(ls /tmp/wheels/*.whl) "ray[serve]==${RAY_VERSION}" "${ORT_PACKAGE}" \
  && rm -rf /tmp/wheels \
+ && if [ ! -e "$RAY_SERVE_HAPROXY_BINARY_PATH" ]; then \
+      ln -s "$(command -v mha-serving-haproxy)" "$RAY_SERVE_HAPROXY_BINARY_PATH"; fi \
+ && "$RAY_SERVE_HAPROXY_BINARY_PATH" -v \
  && python -m pip check \
  && python -c "import importlib.util as u, sys; sys.exit(u.find_spec('torch') is not None)"
 COPY --from=build --chown=1000:100 /models /home/ray/models

