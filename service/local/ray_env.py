@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+from service.haproxy_nosplice import BINARY_PATH_VAR
 from service.http.limits import PROXY_LIMITS_ENV
 from service.limits import MAX_HEADER_BYTES
 from service.local.ports import is_loopback
@@ -43,7 +44,7 @@ HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_HAPROXY_TUNE_BUFSIZE
 # Serve's HAProxy runs without kernel splicing (service/haproxy_nosplice.py): the image links the program here and
 # sets the variable to it, where Ray's nodes read it (tests/test_image.py checks).
 HAPROXY_PROGRAM = "mha-serving-haproxy"
-IMAGE_HAPROXY_ENV = {"RAY_SERVE_HAPROXY_BINARY_PATH": f"/usr/local/bin/{HAPROXY_PROGRAM}"}
+IMAGE_HAPROXY_ENV = {BINARY_PATH_VAR: f"/usr/local/bin/{HAPROXY_PROGRAM}"}
 
 # Every pod of the RayService sets these (deploy/k8s/base/rayservice.yaml; tests/test_metrics_bounded.py checks).
 CLUSTER_RAY_ENV = {**SERVE_RAY_ENV, **HAPROXY_ENV}
