@@ -63,8 +63,7 @@ def started(mode: str, root: Path, models_dir: Path, name: str, replicas: int) -
     env = {k: v or bundled_haproxy() for k, v in MODES[mode].items()}
     cluster = LocalCluster(root / f"m{list(MODES).index(mode)}", extra_env=env)  # short: Ray's socket paths
     cluster.root.mkdir(parents=True)
-    cluster.start("head", cpus=max(4, replicas), gpus=0, head=True)
-    until(f"{mode}: the head's dashboard", cluster.alive_nodes, 180, every_s=1)
+    cluster.start_alive("head", cpus=max(4, replicas), gpus=0, head=True, timeout_s=180)
     deploy = cluster.deploy(config(cluster, models_dir, name, replicas))
     if deploy.returncode != 0:
         raise RuntimeError(f"{mode}: serve deploy failed: {deploy.stderr[-2000:]}")

@@ -136,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         run.start()
         plan = replace(plan, t0=time.monotonic() + 3.0)  # the client's process is started (spawned) meanwhile
         load = drive(run, plan)
-    except (FaultRunError, TimeoutError) as exc:  # TimeoutError: a wait for the cluster (polling.until)
+    # TimeoutError: a wait for the cluster (polling.until); RuntimeError: a node whose `ray start` kept exiting
+    except (FaultRunError, TimeoutError, RuntimeError) as exc:
         run.interrupted = str(exc)
         print(f"cannot go on: {exc}", file=sys.stderr)
     except KeyboardInterrupt:

@@ -87,16 +87,17 @@ class Run:
         self.interrupted = ""
 
     def start_worker(self) -> Node:
+        """A new worker node, alive (its `ray start` started again if it exits first, as a pod's container)."""
         self.workers += 1
-        return self.cluster.start(f"worker-{self.workers}", self.cpus, self.gpus)
+        return self.cluster.start_alive(
+            f"worker-{self.workers}", self.cpus, self.gpus, timeout_s=self.args.step_timeout
+        )
 
     def start(self) -> None:
         cluster, timeout_s = self.cluster, self.args.step_timeout
         print(f"two nodes of {self.cpus:g} CPUs and {self.gpus:g} logical GPU each...", flush=True)
-        cluster.start("head", self.cpus, self.gpus, head=True)
-        until("the head's dashboard", cluster.alive_nodes, timeout_s)
+        cluster.start_alive("head", self.cpus, self.gpus, head=True, timeout_s=timeout_s)
         self.start_worker()
-        until("two alive nodes", lambda: len(cluster.alive_nodes()) == 2, timeout_s)
         print("serve deploy...", flush=True)
         deployed = cluster.deploy(self.config)
         if deployed.returncode != 0:
