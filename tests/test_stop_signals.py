@@ -103,6 +103,33 @@ def test_stop_signals_past_the_second_are_not_forwarded():
         assert s.lines() == ["SIGTERM", "SIGTERM"] and s.proc.returncode == 1  # killed at its stop time
 
 
+# The server's handler for its first stop signal, then three more signals sent while it is busy elsewhere (as a
+# repeating stopper sends them while the drain starts): only the first may interrupt it.
+AFTER_THE_FIRST_STOP = """
+import os, signal, time
+from service.local import drain, launcher
+
+signal.signal(signal.SIGTERM, launcher._interrupt)
+try:
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)
+except KeyboardInterrupt:
+    print("first: interrupted", flush=True)
+for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGTERM):
+    os.kill(os.getpid(), signum)
+time.sleep(0.2)
+print("later: the drain's wait ends", drain._STOPPED_AGAIN.is_set(), flush=True)
+"""
+
+
+def test_after_the_first_stop_signal_the_next_ones_end_the_drain_and_interrupt_nothing_else():
+    """Raised as KeyboardInterrupt, a second SIGTERM before the drain's wait began ended the server with Ray shut down
+    under the drain's own Serve calls (1 run in 14 of the SIGHUP-and-stop test in test_launcher.py, on busy cores)."""
+    done = subprocess.run([sys.executable, "-c", AFTER_THE_FIRST_STOP], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == ["first: interrupted", "later: the drain's wait ends True"]
+
+
 def test_a_server_still_running_past_its_stop_time_is_killed_with_its_process_group():
     with Supervised(stops=0, grandchild=True, stop_within_s=1) as s:
         start = time.monotonic()

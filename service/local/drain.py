@@ -17,11 +17,21 @@ from service.config import AppConfig
 CALL_TIMEOUT_S = 2.0  # Serve's own share of a drain: applying the config to every replica, reporting back
 GCS_CHECK_S = 0.1  # while draining, how often to check that Ray's GCS is still there
 SHUTDOWN_WITHOUT_GCS_S = 2.0
+_STOPPED_AGAIN = threading.Event()  # a stop signal after the first: the drain's wait ends
+
+
+def later_stops_end_the_drain() -> None:
+    """From the first stop signal on, a SIGTERM or SIGINT only sets a flag that the drain's wait polls. Raised as
+    KeyboardInterrupt it would land wherever the main thread was, before the wait too: Ray then shut down under the
+    drain's own Serve calls, and the server died ("the core worker has already been shutdown")."""
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: _STOPPED_AGAIN.set())
 
 
 def drain_and_stop(app_name: str, config: AppConfig) -> None:
     """The server's stop, once a stop signal came: drain, then end the embedded Ray; exits at once where Ray's GCS
     went down with the signal (Ray's own exit hook would wait on it again)."""
+    later_stops_end_the_drain()  # already, where the first came through the launcher's handler
     print(f"\nmha-serving: draining (up to {config.limits.drain_s:g} s)...", file=sys.stderr, flush=True)
     left, waited = drain(app_name, config.limits.drain_s, config)
     _ignore_stop_signals()
@@ -56,19 +66,18 @@ def drain(app_name: str, period_s: float, config: AppConfig) -> tuple[int, float
         target=lambda: outcome.append(_drain_or_say_why(app_name, config, until, stop)), daemon=True
     )
     worker.start()
-    try:
-        while worker.is_alive() and time.monotonic() - start < period_s + 2 * CALL_TIMEOUT_S:
-            worker.join(GCS_CHECK_S)
-            if worker.is_alive() and not gcs_reachable():
-                print(
-                    "mha-serving: Ray's GCS is gone (the signal reached Ray's own processes too; under systemd set "
-                    "KillMode=mixed); not draining",
-                    file=sys.stderr,
-                )
-                return _abandoned(worker, stop, start)
-    except KeyboardInterrupt:
-        print("mha-serving: stopping without waiting for requests in progress", file=sys.stderr)
-        return _abandoned(worker, stop, start)
+    while worker.is_alive() and time.monotonic() - start < period_s + 2 * CALL_TIMEOUT_S:
+        worker.join(GCS_CHECK_S)
+        if _STOPPED_AGAIN.is_set():
+            print("mha-serving: stopping without waiting for requests in progress", file=sys.stderr)
+            return _abandoned(worker, stop, start)
+        if worker.is_alive() and not gcs_reachable():
+            print(
+                "mha-serving: Ray's GCS is gone (the signal reached Ray's own processes too; under systemd set "
+                "KillMode=mixed); not draining",
+                file=sys.stderr,
+            )
+            return _abandoned(worker, stop, start)
     if not outcome:
         print(
             f"mha-serving: the ingress did not answer within {time.monotonic() - start:.0f} s; stopping",

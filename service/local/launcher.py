@@ -28,7 +28,7 @@ from service.local.arguments import (
     validated,
     within_cores,
 )
-from service.local.drain import drain_and_stop, stop_ray
+from service.local.drain import drain_and_stop, later_stops_end_the_drain, stop_ray
 from service.local.ray_env import import_ray_for_the_server, set_ray_env
 from service.local.start_report import report
 from service.model_store import find_models
@@ -110,7 +110,8 @@ def start_local(config: AppConfig, opts: LocalServe) -> None:
         log_to_driver=opts.access_log,
         **extra,
     )
-    signal.signal(signal.SIGTERM, _interrupt)  # after ray.init, which installs its own handler
+    for signum in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which installs its own handler
+        signal.signal(signum, _interrupt)
     if opts.direct:  # the ingress serves the API itself: no proxy, so no second way in
         serve.start(proxy_location="Disabled")
     else:
@@ -260,7 +261,10 @@ def _failures() -> dict[str, str]:
 
 
 def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt  # SIGTERM shuts down as Ctrl-C would: drain, and a second one ends the drain
+    """The first SIGTERM or SIGINT shuts down as Ctrl-C would, out of whatever the main thread runs; the next ones
+    only end the drain (service/local/drain.py)."""
+    later_stops_end_the_drain()
+    raise KeyboardInterrupt
 
 
 def _first_reason(exc: Exception) -> str:
