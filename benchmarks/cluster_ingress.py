@@ -129,24 +129,21 @@ def report(rounds: list[dict], holders: dict[str, str], args) -> dict:
         windows = {mode: [r[f"{mode} {protocol}"] for r in rounds] for mode in MODES}
         out[protocol] = {}
         for mode, got in windows.items():
-            ratios = _ratios(got, windows[BASE])
-            out[protocol][mode] = {"ratio": float(np.median(ratios)), "ratios": ratios}
-            print(
-                f"| {protocol} | {mode} | {np.median([w['rate'] for w in got]):,.0f} | {np.median(ratios):.2f} "
-                f"({' '.join(f'{x:.2f}' for x in ratios)}) | {np.median([w['p50_ms'] for w in got]):.1f} |"
-            )
-        ratios = _ratios(windows[PODS], windows[SPLICING])
-        out[protocol]["splicing off / on"] = {"ratio": float(np.median(ratios)), "ratios": ratios}
-        print(
-            f"| {protocol} | splicing off / on | | {np.median(ratios):.2f} ({' '.join(f'{x:.2f}' for x in ratios)}) | |"
-        )
+            out[protocol][mode], spread = _ratios(got, windows[BASE])
+            rate, p50 = np.median([w["rate"] for w in got]), np.median([w["p50_ms"] for w in got])
+            print(f"| {protocol} | {mode} | {rate:,.0f} | {spread} | {p50:.1f} |")
+        out[protocol]["splicing off / on"], spread = _ratios(windows[PODS], windows[SPLICING])
+        print(f"| {protocol} | splicing off / on | | {spread} | |")
     print("port holders: " + "; ".join(f"{m}: {' '.join(h.split()[:2])}" for m, h in holders.items()))
     return out
 
 
-def _ratios(these: list[dict], those: list[dict]) -> list[float]:
-    """Round by round, these windows' rate over those'."""
-    return [a["rate"] / b["rate"] if b["rate"] else float("nan") for a, b in zip(these, those, strict=True)]
+def _ratios(these: list[dict], those: list[dict]) -> tuple[dict, str]:
+    """Round by round, these windows' rate over those': their median and each ({"ratio", "ratios"}), and as the
+    report's cell, "median (each)"."""
+    ratios = [a["rate"] / b["rate"] if b["rate"] else float("nan") for a, b in zip(these, those, strict=True)]
+    median = float(np.median(ratios))
+    return {"ratio": median, "ratios": ratios}, f"{median:.2f} ({' '.join(f'{x:.2f}' for x in ratios)})"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,6 @@ request, on loopback."""
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
@@ -16,7 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from benchmarks.harness.processes import command_line
+from benchmarks.harness.polling import until
+from benchmarks.harness.processes import command_line, cpu_seconds
 from service.haproxy_nosplice import BINARY_PATH_VAR, NO_SPLICE, bundled_haproxy
 from service.local.ports import free_port
 
@@ -57,24 +57,17 @@ uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), lifespan="off", log_le
 
 def _cpu_share(pid: int, seconds: float) -> float:
     """The share of one core that `pid` used over the next `seconds`."""
-
-    def ticks() -> int:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return int(fields[11]) + int(fields[12])  # utime, stime
-
-    before = ticks()
+    before = cpu_seconds(pid)
     time.sleep(seconds)
-    return (ticks() - before) / os.sysconf("SC_CLK_TCK") / seconds
+    return (cpu_seconds(pid) - before) / seconds
 
 
-def _listening(port: int, within_s: float = 15.0) -> None:
-    deadline = time.monotonic() + within_s
-    while True:
+def _listening(port: int) -> None:
+    def accepts() -> bool:
         with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        assert time.monotonic() < deadline, f"nothing listens on {port}"
-        time.sleep(0.1)
+            return s.connect_ex(("127.0.0.1", port)) == 0
+
+    until(f"port {port} listening", accepts, 15, every_s=0.1, retried=())
 
 
 def _clients_leave(front: int) -> int:
