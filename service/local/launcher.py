@@ -18,7 +18,7 @@ from pathlib import Path
 
 from service.config import AppConfig
 from service.errors import ModelFileError
-from service.local import ports, supervisor
+from service.local import ports, supervisor, systemd_unit
 from service.local.arguments import (
     DEFAULT_METRICS_PORT,
     DEFAULT_PORT,
@@ -221,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mha-serving serve: {exc}", file=sys.stderr)
         return 2
     if not supervisor.is_server():
+        if (warning := systemd_unit.stop_warning()) is not None:
+            print(warning, file=sys.stderr)
         server = [sys.executable, "-m", __spec__.name, *argv]
         return supervisor.supervise(server, config.limits.drain_s + supervisor.STOP_MARGIN_S)
     supervisor.die_with_supervisor()
