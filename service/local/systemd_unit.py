@@ -14,7 +14,7 @@ from pathlib import Path
 
 UNIT_ENV = "INVOCATION_ID"  # set by systemd for the processes of a unit it starts (systemd.exec(5))
 CGROUP = Path("/proc/self/cgroup")
-DRAINING_MODES = ("mixed", "process")  # SIGTERM to the main process (the launcher) only
+CUTTING_MODE = "control-group"  # SIGTERM to every process of the unit (mixed and process: to the launcher only)
 SYSTEMCTL_TIMEOUT_S = 5.0
 
 
@@ -26,8 +26,7 @@ def unit_of(cgroup: str) -> tuple[str, bool] | None:
         fields = line.split(":", 2)  # hierarchy id, controllers, path
         if len(fields) != 3 or fields[1] not in ("", "name=systemd"):
             continue
-        path = fields[2]
-        parts = path.strip("/").split("/")
+        parts = fields[2].strip("/").split("/")
         services = [i for i, part in enumerate(parts) if part.endswith(".service")]
         if not services:
             return None
@@ -59,10 +58,10 @@ def stop_warning(environ: Mapping[str, str] = os.environ, cgroup: Path = CGROUP)
     if found is None:
         return None
     unit, user = found
-    mode = kill_mode(unit, user)
-    if mode is None or mode in DRAINING_MODES:
+    if kill_mode(unit, user) != CUTTING_MODE:
         return None
     return (
-        f"mha-serving serve: systemd unit {unit} has KillMode={mode}: a stop sends SIGTERM to Ray's processes too, "
-        "they exit at once and requests in progress are cut; set KillMode=mixed (deploy/systemd/mha-serving.service)"
+        f"mha-serving serve: systemd unit {unit} has KillMode={CUTTING_MODE}: a stop sends SIGTERM to Ray's processes "
+        "too, they exit at once and requests in progress are cut; set KillMode=mixed "
+        "(deploy/systemd/mha-serving.service)"
     )
