@@ -61,9 +61,11 @@ class Supervised:
         self.proc = subprocess.Popen(
             [sys.executable, "-c", launcher % (server, stop_within_s)],
             stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
             start_new_session=True,
         )
+        self.errors = ""
         pid, sid, grandchild_pid = (int(x) for x in self.proc.stdout.readline().split())
         self.server, self.server_session, self.grandchild = pid, sid, grandchild_pid
 
@@ -72,7 +74,7 @@ class Supervised:
 
     def lines(self) -> list[str]:
         """The stand-in's output after its first line, once the supervisor has exited (within 10 s)."""
-        out, _ = self.proc.communicate(timeout=10)
+        out, self.errors = self.proc.communicate(timeout=10)
         return out.split()
 
     def __exit__(self, *exc) -> None:
@@ -101,6 +103,13 @@ def test_stop_signals_past_the_second_are_not_forwarded():
             os.kill(s.proc.pid, signum)
             time.sleep(0.2)
         assert s.lines() == ["SIGTERM", "SIGTERM"] and s.proc.returncode == 1  # killed at its stop time
+
+
+def test_a_server_ended_by_a_signal_is_named_and_the_status_is_128_plus_its_number():
+    with Supervised(stops=1) as s:
+        os.kill(s.server, signal.SIGKILL)  # not a stop the supervisor sent: an OOM kill, say
+        assert s.lines() == [] and s.proc.returncode == 128 + signal.SIGKILL
+        assert "the server process ended on SIGKILL" in s.errors
 
 
 # The server's handler for its first stop signal, then three more signals sent while it is busy elsewhere (as a

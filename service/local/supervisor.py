@@ -60,7 +60,10 @@ def _wait(server: subprocess.Popen, received: list[int], stop_within_s: float) -
         if stopping_since is not None and time.monotonic() - stopping_since > stop_within_s:
             return _kill(server, time.monotonic() - stopping_since)
         time.sleep(POLL_S)
-    return code if code >= 0 else 128 - code
+    if code < 0:  # a signal ended the server, not its own exit: say which (128 + N alone reads like an exit status)
+        print(f"mha-serving: the server process ended on {signal.Signals(-code).name}", file=sys.stderr, flush=True)
+        return 128 - code
+    return code
 
 
 def _kill(server: subprocess.Popen, waited_s: float) -> int:
