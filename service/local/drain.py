@@ -13,6 +13,7 @@ import threading
 import time
 
 from service.config import AppConfig
+from service.local.supervisor import STOP_SIGNALS
 
 CALL_TIMEOUT_S = 2.0  # Serve's own share of a drain: applying the config to every replica, reporting back
 GCS_CHECK_S = 0.1  # while draining, how often to check that Ray's GCS is still there
@@ -24,7 +25,7 @@ def later_stops_end_the_drain() -> None:
     """From the first stop signal on, a SIGTERM or SIGINT only sets a flag that the drain's wait polls. Raised as
     KeyboardInterrupt it would land wherever the main thread was, before the wait too: Ray then shut down under the
     drain's own Serve calls, and the server died ("the core worker has already been shutdown")."""
-    for signum in (signal.SIGTERM, signal.SIGINT):
+    for signum in STOP_SIGNALS:
         signal.signal(signum, lambda *_: _STOPPED_AGAIN.set())
 
 
@@ -48,7 +49,7 @@ def _ignore_stop_signals() -> None:
     """Past the drain the server is stopping anyway: a later SIGTERM or SIGINT (a third Ctrl-C, a repeating stopper)
     would interrupt Ray's shutdown and end the server with 130, Ray half stopped. The supervisor still kills a server
     that outlives its stop deadline."""
-    for signum in (signal.SIGTERM, signal.SIGINT):
+    for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
 
 

@@ -110,7 +110,7 @@ def start_local(config: AppConfig, opts: LocalServe) -> None:
         log_to_driver=opts.access_log,
         **extra,
     )
-    for signum in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which installs its own handler
+    for signum in supervisor.STOP_SIGNALS:  # after ray.init, which installs its own handler
         signal.signal(signum, _interrupt)
     if opts.direct:  # the ingress serves the API itself: no proxy, so no second way in
         serve.start(proxy_location="Disabled")
