@@ -3,22 +3,19 @@ benchmark reads to split a process's CPU by kind of thread."""
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from pathlib import Path
 
 import pytest
 
+from benchmarks.harness.processes import thread_names
 from service.batching import BatchPolicy
 from service.engine import EngineSettings, ModelEngine
 from service.thread_names import ENGINE, RUNS, current_name, name_thread, threads_named
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="OS thread names are set on Linux only")
-
-
-def os_names() -> dict[int, str]:
-    """This process's threads' OS names, by native thread id."""
-    return {int(t.name): (t / "comm").read_text().strip() for t in Path("/proc/self/task").iterdir()}
 
 
 def in_a_thread(fn):
@@ -42,7 +39,7 @@ def in_a_thread(fn):
 def test_a_thread_names_itself_in_at_most_15_bytes():
     def named() -> tuple[bool, str, str]:
         ok = name_thread("a-name-longer-than-fifteen")
-        return ok, current_name(), os_names()[threading.get_native_id()]
+        return ok, current_name(), thread_names(os.getpid())[threading.get_native_id()]
 
     assert in_a_thread(named) == (True, "a-name-longer-t", "a-name-longer-t")
 
@@ -75,10 +72,10 @@ def test_an_engines_run_threads_and_orts_own_threads_are_named_after_its_model(t
 
     def opened() -> tuple[dict[int, str], str]:
         name_thread("loader")
-        before = set(os_names())
+        before = set(thread_names(os.getpid()))
         engine = ModelEngine(str(tiny_models_dir), "mha-h2-d32", settings)
         assert engine.status().ready, engine.status()
-        new = {tid: name for tid, name in os_names().items() if tid not in before}
+        new = {tid: name for tid, name in thread_names(os.getpid()).items() if tid not in before}
         return new, current_name()
 
     new, after = in_a_thread(opened)
