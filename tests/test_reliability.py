@@ -303,7 +303,11 @@ def _is_loopback(address: str) -> bool:
 
 
 def _name(pid: int) -> str:
-    return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+    """The process's program name; "" for one that ended meanwhile."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+    except OSError:
+        return ""
 
 
 def test_every_route_is_answered_by_the_ingresss_own_server_past_no_serve_wrapper(server):
