@@ -116,9 +116,9 @@ def test_a_server_ended_by_a_signal_is_named_and_the_status_is_128_plus_its_numb
 # repeating stopper sends them while the drain starts): only the first may interrupt it.
 AFTER_THE_FIRST_STOP = """
 import os, signal, time
-from service.local import drain, launcher
+from service.local import drain
 
-signal.signal(signal.SIGTERM, launcher._interrupt)
+drain.stop_signals_interrupt()
 try:
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(5)
@@ -137,6 +137,33 @@ def test_after_the_first_stop_signal_the_next_ones_end_the_drain_and_interrupt_n
     done = subprocess.run([sys.executable, "-c", AFTER_THE_FIRST_STOP], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.splitlines() == ["first: interrupted", "later: the drain's wait ends True"]
+
+
+# A server's main module (run with -m, as the launcher runs it) stopped while exec() runs a string, as dataclasses and
+# namedtuple do on import, then ending as the server does after its drain.
+STOPPED_IN_EXEC = """
+import os, signal, threading
+from service.local import drain
+
+drain.stop_signals_interrupt()
+threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
+try:
+    exec("while True: pass")
+except KeyboardInterrupt as stop:
+    print(type(stop).__name__, flush=True)
+raise SystemExit(0)
+"""
+
+
+def test_a_stop_that_lands_in_code_run_from_a_string_still_ends_the_server_with_status_0(tmp_path):
+    """With a plain KeyboardInterrupt, CPython killed such a process with SIGINT at exit (the launcher reported 130
+    after a clean drain: CI saw it when the stop landed in the start report's imports)."""
+    (tmp_path / "stopped_in_exec.py").write_text(STOPPED_IN_EXEC)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(Path(__file__).parents[1])])}
+    done = subprocess.run(
+        [sys.executable, "-m", "stopped_in_exec"], capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path
+    )
+    assert (done.returncode, done.stdout.split()) == (0, ["StopSignal"]), done.stderr[-2000:]
 
 
 def test_a_server_still_running_past_its_stop_time_is_killed_with_its_process_group():

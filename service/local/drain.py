@@ -21,6 +21,25 @@ SHUTDOWN_WITHOUT_GCS_S = 2.0
 _STOPPED_AGAIN = threading.Event()  # a stop signal after the first: the drain's wait ends
 
 
+class StopSignal(KeyboardInterrupt):
+    """The first stop signal, raised in the server's main thread. A subclass: CPython ends a `python -m` process with
+    SIGINT at exit (status 130) once a plain KeyboardInterrupt has left code that exec() or eval() ran from a string,
+    even one caught later, and it checks for that exact type. A stop during the start report's imports (dataclasses
+    make their methods so) turned a clean drain into 130."""
+
+
+def stop_signals_interrupt() -> None:
+    """From now on the first SIGTERM or SIGINT raises StopSignal out of whatever the main thread runs (a start still
+    in progress too); the next ones only end the drain."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, _interrupt)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    later_stops_end_the_drain()
+    raise StopSignal
+
+
 def later_stops_end_the_drain() -> None:
     """From the first stop signal on, a SIGTERM or SIGINT only sets a flag that the drain's wait polls. Raised as
     KeyboardInterrupt it would land wherever the main thread was, before the wait too: Ray then shut down under the

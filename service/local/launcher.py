@@ -28,7 +28,7 @@ from service.local.arguments import (
     validated,
     within_cores,
 )
-from service.local.drain import drain_and_stop, later_stops_end_the_drain, stop_ray
+from service.local.drain import drain_and_stop, stop_ray, stop_signals_interrupt
 from service.local.ray_env import import_ray_for_the_server, set_ray_env
 from service.local.start_report import report
 from service.model_store import find_models
@@ -110,8 +110,7 @@ def start_local(config: AppConfig, opts: LocalServe) -> None:
         log_to_driver=opts.access_log,
         **extra,
     )
-    for signum in supervisor.STOP_SIGNALS:  # after ray.init, which installs its own handler
-        signal.signal(signum, _interrupt)
+    stop_signals_interrupt()  # after ray.init, which installs its own handler
     if opts.direct:  # the ingress serves the API itself: no proxy, so no second way in
         serve.start(proxy_location="Disabled")
     else:
@@ -240,7 +239,7 @@ def serve(args: argparse.Namespace, opts: LocalServe, config: AppConfig) -> int:
             if hangup.wait(1.0):
                 hangup.clear()
                 config = reload(args, opts, config)
-    except KeyboardInterrupt:  # SIGTERM, maybe while still starting: the ingress may already be serving
+    except KeyboardInterrupt:  # SIGTERM (StopSignal), maybe while still starting: the ingress may already be serving
         if ray_started():
             drain_and_stop(APP_NAME, config)
         return 0
@@ -260,13 +259,6 @@ def _failures() -> dict[str, str]:
         return failure_reasons(APP_NAME)
     except Exception:  # Serve itself is gone: nothing more to say than the error above
         return {}
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    """The first SIGTERM or SIGINT shuts down as Ctrl-C would, out of whatever the main thread runs; the next ones
-    only end the drain (service/local/drain.py)."""
-    later_stops_end_the_drain()
-    raise KeyboardInterrupt
 
 
 def _first_reason(exc: Exception) -> str:
