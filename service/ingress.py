@@ -6,6 +6,7 @@ gRPC proxy or on their own port. No torch.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 from typing import Any
 
@@ -22,8 +23,11 @@ from service.placement import Colocated, ModelPlacement, Remote
 from service.repository import Repository
 from service.rpc.serve_proxy import add_entry_points
 from service.rpc.server import GrpcServer
+from service.stop_notice import listen
 from service.thread_names import LOOP, name_thread
 
+# Of a stop's period, what is kept for the open connections' last answers once the ports close.
+CLOSE_RESERVE_S = 1.0
 SERVED_BY = (
     "x-served-by"  # the serving process (its Serve replica id, as the metrics' `replica` label ends) that answered
 )
@@ -82,14 +86,19 @@ class Ingress:
             self.plane.on_refresh(self._server.connection_metrics.refresh)
         if ingress.grpc_port is not None:
             self._grpc = GrpcServer(self.plane, ingress.host, ingress.grpc_port, limits, shared)
+        self._stop: asyncio.Task | None = None
+        self._notices: asyncio.Task | None = None
         name_thread(LOOP)  # the constructor runs on the thread of the loop that will serve (thread_names.py)
 
     async def reconfigure(self, user_config: dict[str, Any]) -> None:
         """Serve's in-place reconfigure (the deployment's user_config changed, no restart): load and unload models
         (service/repository.py) and install the routes whole.
         Invalid routes fail a starting replica, saying why; a running one logs why and keeps serving the routes it
-        has (Serve would otherwise replace every replica with one that cannot start). `drain_until`: this process
-        drains, and the reconfigure ends once it has no request in progress or at that time."""
+        has (Serve would otherwise replace every replica with one that cannot start). `stop_notice`: the launcher's
+        socket for the stop (service/stop_notice.py). `stopping_until`: this process stops (`stop`); `drain_until`:
+        the same, and the reconfigure ends once the stop has."""
+        if (path := user_config.get("stop_notice")) is not None and self._notices is None:
+            self._notices = asyncio.get_running_loop().create_task(listen(path, self.stop))
         models = user_config.get("models")  # the model repository's: loaded first, unloaded once routes changed
         if models is not None:
             await self.repository.load_wanted(models)
@@ -99,8 +108,25 @@ class Ingress:
         if routes_changed or models is not None:
             self._app.openapi_schema = None  # the document names the models and routes: built again when asked
         self.repository.applied(user_config)
+        if (until := user_config.get("stopping_until")) is not None:
+            self.stop(until)
         if (until := user_config.get("drain_until")) is not None:
-            await self.plane.drained(until)
+            await self.stop(until)
+
+    def stop(self, until: float) -> asyncio.Future:
+        """This process stops by `until` (a time.time()), once, whoever asks first: readiness answers 503 at once;
+        requests keep being served, on new connections too (a load balancer may not have seen the 503 yet), until
+        none is in progress (or CLOSE_RESERVE_S before `until`); then the ports close and each open connection is
+        closed after its last answer. Done (the inference requests left) once every connection is closed."""
+        if self._stop is None:
+            self._stop = asyncio.get_running_loop().create_task(self._stopped(until))
+        return asyncio.shield(self._stop)
+
+    async def _stopped(self, until: float) -> int:
+        await self.plane.drained(until - CLOSE_RESERVE_S)
+        servers = [server for server in (self._server, self._grpc) if server is not None]
+        await asyncio.gather(*(server.close(until) for server in servers))
+        return self.plane.load.inference
 
     def __serve_build_asgi_app__(self):
         """Serve's hook for an application built by the replica: the one application, for Serve's proxy."""

@@ -31,24 +31,37 @@ def ingress_user_config(config: AppConfig, models: dict[str, int] | None = None)
 
 
 def deploy_schema(
-    name: str, config: AppConfig, logging_config: dict[str, Any], models: dict[str, int] | None = None
+    name: str,
+    config: AppConfig,
+    logging_config: dict[str, Any],
+    models: dict[str, int] | None = None,
+    stop_notice: str | None = None,
 ) -> ServeDeploySchema:
     """The Serve config of one application: `config` as build_app's args, except its routes and models
-    (user_config)."""
+    (user_config), with the local launcher's stop notices' socket (service/stop_notice.py) when given."""
+    user_config = ingress_user_config(config, models)
+    if stop_notice is not None:
+        user_config["stop_notice"] = stop_notice
     app = {
         "name": name,
         "route_prefix": "/",
         "import_path": IMPORT_PATH,
         "args": config.model_dump(mode="json", exclude={"routes"}),
-        "deployments": [{"name": INGRESS_NAME, "user_config": ingress_user_config(config, models)}],
+        "deployments": [{"name": INGRESS_NAME, "user_config": user_config}],
         "logging_config": logging_config,
     }
     return ServeDeploySchema.model_validate({"applications": [app]})
 
 
-def deploy(name: str, config: AppConfig, logging_config: dict[str, Any], models: dict[str, int] | None = None) -> None:
+def deploy(
+    name: str,
+    config: AppConfig,
+    logging_config: dict[str, Any],
+    models: dict[str, int] | None = None,
+    stop_notice: str | None = None,
+) -> None:
     """Deploy the application to the running Serve (started with `serve.start`); returns at once."""
-    _client().deploy_apps(deploy_schema(name, config, logging_config, models))
+    _client().deploy_apps(deploy_schema(name, config, logging_config, models, stop_notice))
 
 
 def update_ingress(name: str, changes: dict[str, Any]) -> dict[str, Any]:

@@ -16,7 +16,7 @@ import time
 
 from service.config import RequestLimits
 from service.http.server import HttpServer
-from service.http.uvicorn_adapter import CoalescedWrites
+from service.http.uvicorn_adapter import STOP_IDLE_S, CoalescedWrites
 from service.local.ports import free_port
 
 LIMITS = RequestLimits(max_header_bytes=1024, max_headers=8, max_body_bytes=1024)
@@ -37,6 +37,9 @@ class RecordingTransport(asyncio.Transport):
     def is_closing(self) -> bool:
         return self.closed
 
+    def can_write_eof(self) -> bool:
+        return True
+
     def close(self) -> None:
         self.closed = True
 
@@ -47,7 +50,7 @@ class RecordingTransport(asyncio.Transport):
 def test_a_head_and_body_written_in_one_loop_turn_leave_in_one_send():
     async def respond() -> list[bytes]:
         sent = RecordingTransport()
-        writes = CoalescedWrites(sent, asyncio.get_running_loop())
+        writes = CoalescedWrites(sent, asyncio.get_running_loop(), lambda: False)
         writes.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n")
         writes.write(b"{}")
         assert sent.sends == []  # held until the turn ends (or the response completes: flush)
@@ -63,7 +66,7 @@ def test_a_head_and_body_written_in_one_loop_turn_leave_in_one_send():
 def test_close_and_eof_send_what_is_pending_first_and_a_closed_transport_gets_nothing():
     async def refuse() -> RecordingTransport:
         sent = RecordingTransport()
-        writes = CoalescedWrites(sent, asyncio.get_running_loop())
+        writes = CoalescedWrites(sent, asyncio.get_running_loop(), lambda: False)
         writes.write(b"HTTP/1.1 413 ")
         writes.write_eof()
         assert sent.sends == [b"HTTP/1.1 413 "] and sent.eof
@@ -80,7 +83,7 @@ def test_close_and_eof_send_what_is_pending_first_and_a_closed_transport_gets_no
 def test_a_flush_with_nothing_pending_sends_nothing():
     async def idle() -> list[bytes]:
         sent = RecordingTransport()
-        writes = CoalescedWrites(sent, asyncio.get_running_loop())
+        writes = CoalescedWrites(sent, asyncio.get_running_loop(), lambda: False)
         writes.flush()
         writes.write(b"x")
         writes.flush()  # what HeadLimitedProtocol.on_response_complete does
@@ -360,3 +363,95 @@ def test_a_connection_over_max_connections_gets_a_json_503_with_retry_after_and_
     assert head.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in head.lower(), refused[:300]
     assert json.loads(body)["error"] == "the server holds its limit of 8 connections; retry later"
     assert served.startswith(b"HTTP/1.1 200") and open_at_cap == 8 and count == 1 and open_after == 0
+
+
+def test_a_close_while_the_request_still_arrives_sends_the_answer_with_an_eof_and_closes_only_after_the_linger():
+    async def refuse() -> tuple[bool, bool, bool]:
+        sent = RecordingTransport()
+        writes = CoalescedWrites(sent, asyncio.get_running_loop(), lambda: True)  # the body is still coming
+        writes.write(b"HTTP/1.1 413 ")
+        writes.close()  # what uvicorn does after an answer with `Connection: close`
+        return sent.eof, sent.closed, writes.is_closing()
+
+    eof, closed, closing = asyncio.run(refuse())
+    assert eof and not closed and closing  # closed LINGER_S later (or when the client closes first)
+
+
+def _chunked_over_the_limit(chunks: int) -> bytes:
+    head = b"POST /v2/models/m/infer HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    return head + (b"400\r\n" + b"x" * 1024 + b"\r\n") * chunks + b"0\r\n\r\n"
+
+
+async def _refuse_after_first_chunk(scope, receive, send) -> None:
+    """An application refusing a body once it is over the limit, before the rest has arrived (service/limits.py)."""
+    await receive()
+    body = b'{"error": "over"}'
+    headers = [(b"content-length", str(len(body)).encode()), (b"connection", b"close")]
+    await send({"type": "http.response.start", "status": 413, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def test_a_413_given_while_a_large_chunked_body_arrives_is_read_whole_by_a_client_that_sends_it_all_first():
+    """Closed at once over the unread body, the kernel reset the connection and the client lost the 413 (issue 56)."""
+
+    async def scenario() -> tuple[int, bytes]:
+        _, port = await _serve(_refuse_after_first_chunk)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        request = _chunked_over_the_limit(16 * 1024)  # 16 MiB, as Python's http.client sends: all, then read
+        writer.write(request)
+        await asyncio.wait_for(writer.drain(), 10)
+        answer, _ = await _until_closed(reader, 10)
+        writer.close()
+        return len(request), answer
+
+    sent, answer = asyncio.run(scenario())
+    assert sent > 16 << 20 and answer.startswith(b"HTTP/1.1 413") and answer.endswith(b'{"error": "over"}'), answer
+
+
+def test_bytes_that_are_not_http_get_a_json_400_and_the_connection_closes():
+    async def scenario() -> bytes:
+        _, port = await _serve(_ok)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03 not http\r\n\r\n")  # a TLS hello, say
+        answer, _ = await _until_closed(reader, 5)
+        writer.close()
+        return answer
+
+    answer = asyncio.run(scenario())
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"application/json" in head and b"Connection: close" in head, answer
+    assert "not a valid HTTP/1.1 request" in json.loads(body)["error"]
+
+
+def test_a_stop_answers_the_next_request_on_a_kept_alive_connection_with_connection_close_and_closes_idle_ones():
+    """HttpServer.close: the listener closes; a connection whose client sends right then is answered with
+    `Connection: close` (uvicorn's own shutdown closed it at once, resetting that request), and a connection left
+    idle is closed after STOP_IDLE_S."""
+
+    async def scenario() -> tuple[bytes, bytes, float, bool]:
+        server, port = await _serve(_ok)
+        request = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
+        busy_r, busy_w = await asyncio.open_connection("127.0.0.1", port)
+        idle_r, idle_w = await asyncio.open_connection("127.0.0.1", port)
+        for writer, reader in ((busy_w, busy_r), (idle_w, idle_r)):
+            writer.write(request)
+            await asyncio.wait_for(reader.readuntil(b"{}"), 5)  # kept alive
+        start = time.monotonic()
+        closing = asyncio.ensure_future(server.close(time.time() + 10))
+        await asyncio.sleep(0.15)  # the listener has closed (uvicorn checks every 0.1 s)
+        busy_w.write(request)  # sent after the stop began, on a kept-alive connection
+        answer, _ = await _until_closed(busy_r, 5)
+        idle, _ = await _until_closed(idle_r, 5)
+        idle_s = time.monotonic() - start
+        await asyncio.wait_for(closing, 5)
+        try:
+            await asyncio.open_connection("127.0.0.1", port)
+            refused = False
+        except OSError:
+            refused = True
+        return answer, idle, idle_s, refused
+
+    answer, idle, idle_s, refused = asyncio.run(scenario())
+    print(f"\nan idle connection closed {idle_s:.2f} s after the stop began")
+    assert answer.startswith(b"HTTP/1.1 200") and b"connection: close" in answer.lower() and answer.endswith(b"{}")
+    assert idle == b"" and idle_s >= STOP_IDLE_S and refused

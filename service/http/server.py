@@ -7,8 +7,10 @@ application. No torch.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
+import time
 
 import uvicorn
 
@@ -95,10 +97,21 @@ class HttpServer:
             server_header=False,
             headers=headers or [],  # added to every response by uvicorn itself
             proxy_headers=False,  # it faces clients itself: no X-Forwarded-* rewriting of every request's scope
+            timeout_graceful_shutdown=limits.drain_s,  # a stop's wait for open connections' last answers
         )
         self._server = uvicorn_adapter.SignalFreeServer(config)
         self._socket = _listening_socket(host, port, shared)
         self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[self._socket]))
+        self._closing = False
+
+    async def close(self, until: float) -> None:
+        """Stop serving, losing no request sent: the listener closes (uvicorn's graceful shutdown), and each open
+        connection closes after its last answer (service/http/uvicorn_adapter.py); returns once every connection is
+        closed, or at `until` (a time.time())."""
+        self._closing = True
+        self._server.should_exit = True  # uvicorn's main loop sees it within 0.1 s
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self._task), max(0.0, until - time.time()))
 
     def requests_in_progress(self) -> int:
         """Requests whose head was read and whose response is not complete yet, every connection's."""
@@ -109,7 +122,7 @@ class HttpServer:
         return self.connection_metrics.open
 
     def check(self) -> None:
-        """Raise if the server stopped (Serve's health check then replaces the replica)."""
-        if self._task.done():
+        """Raise if the server stopped unasked (Serve's health check then replaces the replica)."""
+        if self._task.done() and not self._closing:
             error = None if self._task.cancelled() else self._task.exception()
             raise RuntimeError(f"the ingress's HTTP server stopped: {error!r}")

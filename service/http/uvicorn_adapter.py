@@ -12,14 +12,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from service import limits as check
 from service.config import RequestLimits
-from service.errors import HeadTimeoutError, ServiceError
+from service.errors import BadRequestError, HeadTimeoutError, ServiceError
 from service.http.connection_metrics import ConnectionMetrics
 from service.load import Load
 from service.responses import raw_error_response
@@ -29,6 +29,10 @@ LINGER_S = 2.0  # after a refusal, the rest of the request is read and dropped t
 # After a 408 for a slow head or a 503 over the connection cap: no large body is on its way, and the descriptor must
 # be free again soon (a slow head's connection is closed within header_timeout_s + 1 s).
 SHORT_LINGER_S = 0.5
+# While the server stops, a kept-alive connection is closed once it has been idle this long: its client may be
+# sending its next request at this very moment (it is then answered with `Connection: close`); a client that sends
+# back to back does so within milliseconds of its answer, so a close after this much silence cuts nothing sent.
+STOP_IDLE_S = 0.5
 
 
 def protocol(limits: RequestLimits, metrics: ConnectionMetrics, load: Load) -> functools.partial:
@@ -48,11 +52,17 @@ class SignalFreeServer(uvicorn.Server):
 class CoalescedWrites:
     """A connection's transport, except that what is written within one event-loop turn goes out in one send:
     uvicorn writes a response's head and its body apart, two send syscalls where one does. Flushed when the
-    response is complete, before a close or an EOF, and at the end of the loop turn otherwise (a streamed body)."""
+    response is complete, before a close or an EOF, and at the end of the loop turn otherwise (a streamed body).
+    A close while the request is still arriving (`still_reading`: an answer before its body, a 413 or 408) lingers:
+    closed over unread bytes, the kernel resets the connection and the client may never read the answer, so the
+    answer is sent whole with an EOF, and what still arrives is read and dropped for LINGER_S before the close."""
 
-    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
-        self._transport, self._loop = transport, loop
+    def __init__(
+        self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop, still_reading: Callable[[], bool]
+    ) -> None:
+        self._transport, self._loop, self._still_reading = transport, loop, still_reading
         self._pending: list[bytes] = []
+        self.lingering = False
 
     def write(self, data: bytes) -> None:
         if not self._pending:
@@ -73,7 +83,21 @@ class CoalescedWrites:
 
     def close(self) -> None:
         self.flush()
-        self._transport.close()
+        if self.lingering:
+            return
+        if self._still_reading() and self._transport.can_write_eof() and not self._transport.is_closing():
+            self.linger(LINGER_S)
+        else:
+            self._transport.close()
+
+    def linger(self, seconds: float) -> None:
+        """Send what is written and an EOF, drop what arrives, close in `seconds` (sooner if the client closes)."""
+        self.lingering = True
+        self.write_eof()
+        self._loop.call_later(seconds, self._transport.close)
+
+    def is_closing(self) -> bool:
+        return self.lingering or self._transport.is_closing()
 
     def __getattr__(self, name: str):
         return getattr(self._transport, name)
@@ -99,6 +123,8 @@ class HeadLimitedProtocol(HttpToolsProtocol):
         self._refusal: ServiceError | None = None
         self._deferred_linger: float | None = None  # a refusal waiting for the answers before it (pipelining)
         self._task: asyncio.Task | None = None  # the task running this connection's current request
+        self._stopping = False  # the server stops: the next request is answered with `Connection: close`
+        self._last_active = self.loop.time()  # when a byte last arrived or an answer was last completed
         self.app = self._noting_task(self.app)
 
     def _noting_task(self, app):
@@ -110,7 +136,7 @@ class HeadLimitedProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self.transport = CoalescedWrites(transport, self.loop)  # type: ignore[assignment]
+        self.transport = CoalescedWrites(transport, self.loop, lambda: self._in_message)  # type: ignore[assignment]
         self.metrics.open += 1
         # uvicorn's limit_concurrency is checked once a head is complete: slow heads never meet it, and it would
         # refuse the next request of a connection already open. The cap is held here, at accept.
@@ -125,10 +151,13 @@ class HeadLimitedProtocol(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         self.transport.flush()
+        self._last_active = self.loop.time()
         if self._requests > 0:
             self._requests -= 1
             self.load.arrived -= 1
         super().on_response_complete()
+        if self._stopping:
+            self._close_when_idle()
         if self._deferred_linger is not None and not self.transport.is_closing() and not self._answering():
             self._refuse(self._deferred_linger)
 
@@ -144,7 +173,8 @@ class HeadLimitedProtocol(HttpToolsProtocol):
             task.cancel()
 
     def data_received(self, data: bytes) -> None:
-        if self._refusal is not None:
+        self._last_active = self.loop.time()
+        if self._refusal is not None or self.transport.lingering:
             return  # the rest of a refused request: dropped
         continued, idle = self._in_head, not self._in_message
         self._begun = 0
@@ -197,6 +227,8 @@ class HeadLimitedProtocol(HttpToolsProtocol):
         if self.cycle is not cycle:  # a request began (now, or queued behind a pipelined one)
             self._requests += 1
             self.load.arrived += 1
+            if self._stopping:
+                self.cycle.keep_alive = False  # answered with `Connection: close`, then the connection closes
 
     def _held(self, limit_check, value) -> None:
         """Run one limit check inside a parser callback; a refusal stops the parser, and uvicorn then calls
@@ -208,8 +240,11 @@ class HeadLimitedProtocol(HttpToolsProtocol):
             raise
 
     def send_400_response(self, msg: str) -> None:
-        if self._refusal is None:
-            return super().send_400_response(msg)
+        """uvicorn's answer to bytes its parser refuses (not HTTP/1.1, a malformed head or chunk): JSON, as every
+        other error, instead of its plain-text 400."""
+        if self._refusal is None:  # no large body is known to be on its way
+            self._refusal = BadRequestError(f"{msg.rstrip('.')}: the bytes sent are not a valid HTTP/1.1 request")
+            return self._refuse(SHORT_LINGER_S)
         self._refuse()
 
     def _refuse(self, linger_s: float = LINGER_S) -> None:
@@ -223,8 +258,32 @@ class HeadLimitedProtocol(HttpToolsProtocol):
         self._deferred_linger = None
         self.transport.write(raw_error_response(self._refusal))
         if self.transport.can_write_eof():
-            self.transport.write_eof()
-        self.loop.call_later(linger_s, self.transport.close)
+            self.transport.linger(linger_s)
+        else:
+            self.transport.close()
+
+    def shutdown(self) -> None:
+        """uvicorn's graceful shutdown, for each open connection once the listener is closed. uvicorn's own closes an
+        idle kept-alive connection at once, which resets the request its client may be sending on it right then.
+        Here a request whose answer has not begun gets `Connection: close` and the connection closes after it; a
+        connection between requests is closed once idle for STOP_IDLE_S, and a request that arrives before that is
+        answered with `Connection: close` too."""
+        self._stopping = True
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete and not cycle.response_started:
+            cycle.keep_alive = False
+        elif not self._answering():
+            self._close_when_idle()
+
+    def _close_when_idle(self) -> None:
+        """Close the connection once no request is in progress or arriving and it has been silent STOP_IDLE_S."""
+        if self.transport.is_closing() or self._answering() or self._in_message:
+            return  # the request in progress is answered with `Connection: close`, or ends here
+        silent = self.loop.time() - self._last_active
+        if silent >= STOP_IDLE_S:
+            self.transport.close()
+        else:
+            self.loop.call_later(STOP_IDLE_S - silent, self._close_when_idle)
 
     def _between_requests(self) -> bool:
         return self.cycle is None or self.cycle.response_complete

@@ -14,6 +14,7 @@ import time
 
 from service.config import AppConfig
 from service.local.supervisor import STOP_SIGNALS
+from service.stop_notice import StopNotices
 
 CALL_TIMEOUT_S = 2.0  # Serve's own share of a drain: applying the config to every replica, reporting back
 GCS_CHECK_S = 0.1  # while draining, how often to check that Ray's GCS is still there
@@ -48,12 +49,12 @@ def later_stops_end_the_drain() -> None:
         signal.signal(signum, lambda *_: _STOPPED_AGAIN.set())
 
 
-def drain_and_stop(app_name: str, config: AppConfig) -> None:
+def drain_and_stop(app_name: str, config: AppConfig, notices: StopNotices) -> None:
     """The server's stop, once a stop signal came: drain, then end the embedded Ray; exits at once where Ray's GCS
     went down with the signal (Ray's own exit hook would wait on it again)."""
     later_stops_end_the_drain()  # already, where the first came through the launcher's handler
     print(f"\nmha-serving: draining (up to {config.limits.drain_s:g} s)...", file=sys.stderr, flush=True)
-    left, waited = drain(app_name, config.limits.drain_s, config)
+    left, waited = drain(app_name, config.limits.drain_s, config, notices)
     _ignore_stop_signals()
     unfinished = ", requests may have been unfinished" if left else ""
     print(f"mha-serving: drained in {waited:.1f} s{unfinished}; shutting down", file=sys.stderr, flush=True)
@@ -72,18 +73,20 @@ def _ignore_stop_signals() -> None:
         signal.signal(signum, signal.SIG_IGN)
 
 
-def drain(app_name: str, period_s: float, config: AppConfig) -> tuple[int, float]:
-    """Tell every serving process of the app to drain, then wait until none has an inference request in progress or
-    `period_s` has passed; (0 when all drained in time, -1 when not or unknown; seconds waited). A second Ctrl-C or
+def drain(app_name: str, period_s: float, config: AppConfig, notices: StopNotices) -> tuple[int, float]:
+    """Tell every serving process of the app to stop (Ingress.stop: readiness 503 at once, requests in progress
+    answered, then its ports and connections closed), then wait until each has or `period_s` has passed; (0 when all
+    stopped in time, -1 when not or unknown; seconds waited). A second Ctrl-C or
     SIGTERM ends the wait. Bounded even when Ray's control processes are gone (a SIGTERM to every process of the
     server, as systemd's KillMode=control-group sends it, reaches Ray's GCS too, and every call to it would then wait
     60 s for a reconnect)."""
     start = time.monotonic()
     outcome: list[int] = []
     until = time.time() + period_s
+    told = notices.send(until)  # every serving process connected stops now, each on its own
     stop = threading.Event()
     worker = threading.Thread(
-        target=lambda: outcome.append(_drain_or_say_why(app_name, config, until, stop)), daemon=True
+        target=lambda: outcome.append(_drain_or_say_why(app_name, config, until, stop, told)), daemon=True
     )
     worker.start()
     while worker.is_alive() and time.monotonic() - start < period_s + 2 * CALL_TIMEOUT_S:
@@ -127,20 +130,21 @@ def gcs_reachable(timeout_s: float = 0.5) -> bool:
         return False
 
 
-def _drain_or_say_why(app_name: str, config: AppConfig, until: float, stop: threading.Event) -> int:
+def _drain_or_say_why(app_name: str, config: AppConfig, until: float, stop: threading.Event, told: int) -> int:
     """Redeploys of the ingress's user_config, each applied in place to every replica (about 1.5 s each, measured):
-    with several replicas, a first turns each to draining at once (Serve reconfigures a few replicas at a time, so a
-    reconfigure that waited would leave the others serving meanwhile), then one waits in each for its requests in
-    progress, up to `until` everywhere; a single replica does both in one."""
+    where the stop notice may not have reached every serving process, a first starts the stop in each (Serve
+    reconfigures a few replicas at a time, so a reconfigure that waited would leave the others serving meanwhile),
+    then one waits in each for its stop, up to `until` everywhere."""
     from service import serve_control
 
     deadline = time.monotonic() + (until - time.time()) + CALL_TIMEOUT_S
-    steps = (until,) if config.ingress.scaling().get("num_replicas") == 1 else (0.0, until)
+    replicas = config.ingress.scaling().get("num_replicas")
+    keys = ("drain_until",) if replicas is not None and told >= replicas else ("stopping_until", "drain_until")
     try:
-        for wait_until in steps:
+        for key in keys:
             if stop.is_set():
                 return -1
-            serve_control.update_ingress(app_name, {"drain_until": wait_until})
+            serve_control.update_ingress(app_name, {key: until})
             if not serve_control.wait_running(app_name, poll_s=0.05, deadline=deadline, stop=stop):
                 return -1
         return 0

@@ -33,6 +33,7 @@ from service.local.ray_env import import_ray_for_the_server, set_ray_env
 from service.local.start_report import report
 from service.model_store import find_models
 from service.routes import RouteConfigError, RouteTable
+from service.stop_notice import StopNotices
 
 APP_NAME = "mha"
 RELOAD_APPLIED_S = 120.0  # every serving process opens the models added (ORT session, warm-up) before it has applied
@@ -89,8 +90,9 @@ def checked(config: AppConfig) -> list[str]:
     return names
 
 
-def start_local(config: AppConfig, opts: LocalServe) -> None:
-    """Start an embedded Ray and Serve, and deploy `build_app(config)`; returns once every replica is up."""
+def start_local(config: AppConfig, opts: LocalServe, notices: StopNotices) -> None:
+    """Start an embedded Ray and Serve, and deploy `build_app(config)`, its serving processes connected to
+    `notices`; returns once every replica is up."""
     proxied_grpc = not opts.direct and opts.grpc_port is not None
     set_ray_env(opts.host, opts.access_log, config.limits.max_body_bytes if proxied_grpc else None)
     import_ray_for_the_server()
@@ -120,7 +122,7 @@ def start_local(config: AppConfig, opts: LocalServe) -> None:
         serve.start(http_options={"host": opts.host, "port": opts.port}, grpc_options=grpc)
     from service import serve_control  # imports Ray: after set_ray_env
 
-    serve_control.deploy(APP_NAME, config, serve_logging(opts), colocated_models(config, names))
+    serve_control.deploy(APP_NAME, config, serve_logging(opts), colocated_models(config, names), notices.path)
     serve_control.wait_running(APP_NAME)
 
 
@@ -232,8 +234,9 @@ def serve(args: argparse.Namespace, opts: LocalServe, config: AppConfig) -> int:
     """Start, serve until SIGTERM (the supervisor's, for any stop signal), drain, stop; the exit status."""
     hangup = threading.Event()
     signal.signal(signal.SIGHUP, lambda *_: hangup.set())  # from the start: SIGHUP's default would end the server
+    notices = StopNotices()
     try:
-        start_local(config, opts)
+        start_local(config, opts, notices)
         report(args)
         while True:
             if hangup.wait(1.0):
@@ -241,7 +244,7 @@ def serve(args: argparse.Namespace, opts: LocalServe, config: AppConfig) -> int:
                 config = reload(args, opts, config)
     except KeyboardInterrupt:  # SIGTERM (StopSignal), maybe while still starting: the ingress may already be serving
         if ray_started():
-            drain_and_stop(APP_NAME, config)
+            drain_and_stop(APP_NAME, config, notices)
         return 0
     except RuntimeError as exc:  # Serve's deploy failure: a replica raised at start (e.g. backend gpu without one)
         print(f"mha-serving serve: the application failed to start: {_first_reason(exc)}", file=sys.stderr)
@@ -250,6 +253,7 @@ def serve(args: argparse.Namespace, opts: LocalServe, config: AppConfig) -> int:
         return 1
     finally:
         stop_ray()  # Serve goes with Ray: after `drain`, Serve's own slower shutdown would save nothing
+        notices.close()
 
 
 def _failures() -> dict[str, str]:

@@ -5,6 +5,7 @@ method handler; a service error aborts the call with its status and message. No 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import defaultdict
 
 import grpc
@@ -67,6 +68,13 @@ class GrpcServer:
         except RuntimeError as exc:
             raise OSError(f"the ingress cannot listen for gRPC on {address}: {exc}") from exc
         self._task = asyncio.get_running_loop().create_task(self._server.start())
+
+    async def close(self, until: float) -> None:
+        """Stop serving, losing no call sent: the port closes and clients get GOAWAY (gRPC's graceful stop; a call
+        the server never took is one they may retry), calls in progress finish; returns once they have, or at
+        `until` (a time.time())."""
+        await self._task
+        await self._server.stop(grace=max(0.0, until - time.time()))
 
     def check(self) -> None:
         """Raise if the server failed to start (Serve's health check then replaces the replica)."""
