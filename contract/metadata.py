@@ -21,6 +21,8 @@ ATTENTION_WEIGHTS = "attention_weights"  # only in the attention variant of a mo
 MODEL_FILE = "model.onnx"
 ATTENTION_MODEL_FILE = "model.attn.onnx"
 CONFIG_FILE = "config.json"
+ARCH_KEY = "arch"  # absent or "classifier": ModelMetadata; "decoder": contract/decoder_metadata.py
+CLASSIFIER, DECODER = "classifier", "decoder"
 TRAINING_FILE = "training.json"  # a trained model's record (export/train.py): its config and validation figures
 _OPTIONAL_KEYS = (  # have defaults; others are required
     "tokenizer",
@@ -42,14 +44,19 @@ class MetadataError(ValueError):
     """An ONNX file's metadata is missing a key, holds a malformed value, or contradicts itself."""
 
 
-def config_name(heads: int, d_model: int, head_dim: int | None = None, prefix: str = "mha") -> str:
+def config_name(
+    heads: int, d_model: int, head_dim: int | None = None, prefix: str = "mha", kv_heads: int | None = None
+) -> str:
     """The one spelling of a head configuration's name: folder, Serve deployment and metric label.
 
-    `mha-h8-d512` when head_dim is the default d_model // heads, else `mha-h3-d512-hd64`.
+    `mha-h8-d512` when head_dim is the default d_model // heads, else `mha-h3-d512-hd64`; with kv_heads (a decoder's
+    key/value heads), `lm-h8-kv2-d512`.
     """
     if heads < 1 or d_model < 1:
         raise ValueError(f"heads and d_model must be >= 1, got heads={heads}, d_model={d_model}")
-    name = f"{prefix}-h{heads}-d{d_model}"
+    if kv_heads is not None and (kv_heads < 1 or heads % kv_heads != 0):
+        raise ValueError(f"kv_heads={kv_heads} must be >= 1 and divide heads={heads}")
+    name = f"{prefix}-h{heads}" + (f"-kv{kv_heads}" if kv_heads is not None else "") + f"-d{d_model}"
     if head_dim is not None and head_dim * heads != d_model:
         name += f"-hd{head_dim}"
     return name
@@ -158,6 +165,12 @@ class ModelMetadata:
             raise MetadataError(
                 f"metadata key 'mha_serving.schema' is {schema!r}, expected {SCHEMA_VERSION!r}: "
                 "was this file exported by `mha-serving export`?"
+            )
+        arch = props.get(ARCH_KEY, CLASSIFIER)
+        if arch != CLASSIFIER:
+            raise MetadataError(
+                f"metadata key {ARCH_KEY!r} is {arch!r}: not a classifier "
+                "(contract.decoder_metadata.metadata_from_props reads either kind)"
             )
         values: dict[str, object] = {}
         for f in fields(cls):

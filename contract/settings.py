@@ -37,8 +37,15 @@ class ExportSettings:
     attention: bool = False
     atol: float = 1e-4
     model: str | None = None  # package.module:factory (export/user_model.py)
-    name_prefix: str = "mha"
+    name_prefix: str | None = None  # None: "mha" for classifiers, "lm" for decoders
     precision: tuple[str, ...] = ("fp32",)  # int8 / fp16 variants made from each fp32 export, behind their gate
+    decoder: bool = False  # decoder-only language models with a KV cache instead of classifiers
+    kv_heads: int | None = None  # a decoder's key/value heads; None: as many as query heads (MHA)
+
+    @property
+    def prefix(self) -> str:
+        """The configuration names' prefix: the one given, else `mha` (classifiers) or `lm` (decoders)."""
+        return self.name_prefix or ("lm" if self.decoder else "mha")
 
     def class_labels(self) -> tuple[int, tuple[str, ...] | None]:
         """(num_classes, labels) with the defaults filled in; labels None means "the config's default labels"."""
@@ -52,7 +59,7 @@ class ExportSettings:
 
 
 _KEYS = {f.name for f in fields(ExportSettings)} - {"heads_given"}
-_INT_KEYS = ("d_model", "head_dim", "layers", "ff_dim", "max_len", "vocab_size", "num_classes")
+_INT_KEYS = ("d_model", "head_dim", "layers", "ff_dim", "max_len", "vocab_size", "num_classes", "kv_heads")
 
 
 def parse_heads(value: object) -> tuple[int, ...]:
@@ -106,7 +113,7 @@ def _check_value(key: str, value: object) -> object:
         if key == "max_len" and value < 2:
             raise UsageError(f"max_len must be >= 2 (the sequence axis is exported as dynamic), got {value}")
         return value
-    if key in ("force", "attention"):
+    if key in ("force", "attention", "decoder"):
         if not isinstance(value, bool):
             raise UsageError(f"{key} must be true or false, got {value!r}")
         return value

@@ -1,5 +1,6 @@
-"""The multi-head attention layer: fused QKV projection, SDPA kernel, padding and causal masks, weights on demand,
-a gate on each head's output (importance scores, masking) and a copy with fewer heads (pruning)."""
+"""The multi-head attention layer: query heads and key/value heads (MHA, GQA, MQA), fused QKV projection, SDPA
+kernel, padding and causal masks, a KV cache for decoding, weights on demand, a gate on each head's output
+(importance scores, masking) and a copy with fewer heads (pruning)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,35 @@ def resolve_head_dim(d_model: int, heads: int, head_dim: int | None) -> int:
     return d_model // heads
 
 
+def resolve_kv_heads(heads: int, kv_heads: int | None) -> int:
+    """kv_heads as given (None: heads, plain multi-head attention); ValueError naming the numbers unless it divides
+    heads (each key/value head serves heads // kv_heads query heads: 1 is MQA, between 1 and heads GQA)."""
+    if kv_heads is None:
+        return heads
+    if isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads < 1:
+        raise ValueError(f"kv_heads must be an integer >= 1, got kv_heads={kv_heads!r}")
+    if heads % kv_heads != 0:
+        divisors = [k for k in range(1, heads + 1) if heads % k == 0]
+        raise ValueError(
+            f"kv_heads={kv_heads} does not divide h={heads}: each key/value head serves a whole group of query "
+            f"heads; choose kv_heads from {divisors}"
+        )
+    return kv_heads
+
+
+def cache_mask(key_padding_mask: torch.Tensor, T: int) -> torch.Tensor:
+    """The boolean SDPA mask (True = attend) of T new queries over a KV cache: key_padding_mask (B, P + T), 1 = token,
+    covers the P cached positions and the T new ones; query i sits at position P + i and sees keys 0 .. P + i that
+    are tokens, and always itself, so that a padding query's row is never empty (an empty row is NaN in ONNX)."""
+    S = key_padding_mask.shape[1]
+    key_pos = torch.arange(S, device=key_padding_mask.device)  # (S,)
+    query_pos = torch.arange(T, device=key_padding_mask.device) + (S - T)  # (T,): positions P .. P + T - 1
+    causal = key_pos[None, :] <= query_pos[:, None]  # (T, S)
+    itself = key_pos[None, :] == query_pos[:, None]  # (T, S)
+    tokens = key_padding_mask.to(torch.bool)[:, None, None, :]  # (B, 1, 1, S)
+    return (tokens & causal[None, None]) | itself[None, None]  # (B, 1, T, S)
+
+
 def attention_mask(
     key_padding_mask: torch.Tensor | None, T: int, causal: bool, device: torch.device
 ) -> torch.Tensor | None:
@@ -44,7 +74,8 @@ def attention_mask(
 
 
 class MultiHeadAttention(nn.Module):
-    """Self-attention with `h` heads of size `head_dim` (default d_model // h; h * head_dim may differ from d_model).
+    """Self-attention with `h` heads of size `head_dim` (default d_model // h; h * head_dim may differ from d_model)
+    and `kv_heads` key/value heads (default h; query head i reads key/value head i // (h // kv_heads)).
 
     forward(x, key_padding_mask) -> (out, weights): x (B, T, d_model); key_padding_mask (B, T) with 1 = token,
     0 = padding; out (B, T, d_model); weights (B, h, T, T) when need_weights, else None. While `head_gate` is set
@@ -59,15 +90,19 @@ class MultiHeadAttention(nn.Module):
         dropout: float = 0.0,
         bias: bool = True,
         causal: bool = False,
+        kv_heads: int | None = None,
     ) -> None:
         super().__init__()
         self.d_model = d_model
         self.h = h
         self.head_dim = resolve_head_dim(d_model, h, head_dim)
+        self.kv_heads = resolve_kv_heads(h, kv_heads)
         self.inner_dim = self.h * self.head_dim
+        self.kv_dim = self.kv_heads * self.head_dim
         self.dropout = dropout
         self.causal = causal
-        self.qkv = nn.Linear(d_model, 3 * self.inner_dim, bias=bias)  # fused: [q; k; v] like nn.MultiheadAttention
+        # fused [q; k; v], (h + 2 kv) * hs rows: with kv_heads == h, [q; k; v] of nn.MultiheadAttention's layout
+        self.qkv = nn.Linear(d_model, self.inner_dim + 2 * self.kv_dim, bias=bias)
         self.out = nn.Linear(self.inner_dim, d_model, bias=bias)
         self.export_kernel: Callable[..., torch.Tensor] | None = None  # set while exporting (export/fused_attention.py)
         self.head_gate: torch.Tensor | None = None  # set while scoring or masking heads (export/importance.py)
@@ -82,10 +117,8 @@ class MultiHeadAttention(nn.Module):
             y = self.export_kernel(x, self.qkv.weight, self.qkv.bias, key_padding_mask, self.h, self.causal)
             return self.out(y), None  # y: (B, T, h*hs)
         B, T, _ = x.shape
-        q, k, v = self.qkv(x).split(self.inner_dim, dim=2)  # 3 x (B, T, h*hs)
-        q = q.view(B, T, self.h, self.head_dim).transpose(1, 2)  # (B, h, T, hs)
-        k = k.view(B, T, self.h, self.head_dim).transpose(1, 2)  # (B, h, T, hs)
-        v = v.view(B, T, self.h, self.head_dim).transpose(1, 2)  # (B, h, T, hs)
+        q, k, v = self._project(x)  # (B, h, T, hs), 2 x (B, kv, T, hs)
+        k, v = self._repeat_kv(k), self._repeat_kv(v)  # 2 x (B, h, T, hs)
         mask = attention_mask(key_padding_mask, T, self.causal, x.device)  # (B or 1, 1, T or 1, T), True = attend
         p = self.dropout if self.training else 0.0
         if need_weights:
@@ -97,6 +130,35 @@ class MultiHeadAttention(nn.Module):
             y = y * self.head_gate.reshape(-1, self.h, 1, 1)  # (B, h, T, hs) x (B or 1, h, 1, 1)
         y = y.transpose(1, 2).reshape(B, T, self.inner_dim)  # (B, T, h*hs)
         return self.out(y), weights
+
+    def forward_cached(
+        self, x: torch.Tensor, mask: torch.Tensor, past_key: torch.Tensor, past_value: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Attention of T new tokens over a KV cache: x (B, T, d_model); past_key, past_value (B, kv, P, hs), P >= 0;
+        mask (B, 1, T, P + T) True = attend (cache_mask). Returns out (B, T, d_model) and the present key and value
+        (B, kv, P + T, hs): the cache holds kv_heads heads, shared by the query heads of each group."""
+        B, T, _ = x.shape
+        q, k, v = self._project(x)  # (B, h, T, hs), 2 x (B, kv, T, hs)
+        k = torch.cat([past_key, k], dim=2)  # (B, kv, P+T, hs)
+        v = torch.cat([past_value, v], dim=2)  # (B, kv, P+T, hs)
+        y = F.scaled_dot_product_attention(q, self._repeat_kv(k), self._repeat_kv(v), attn_mask=mask)  # (B, h, T, hs)
+        y = y.transpose(1, 2).reshape(B, T, self.inner_dim)  # (B, T, h*hs)
+        return self.out(y), k, v
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The fused projection split into heads: q (B, h, T, hs), k and v (B, kv, T, hs)."""
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).split([self.inner_dim, self.kv_dim, self.kv_dim], dim=2)  # (B, T, h*hs), 2 x kv*hs
+        q = q.view(B, T, self.h, self.head_dim).transpose(1, 2)  # (B, h, T, hs)
+        k = k.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, kv, T, hs)
+        v = v.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, kv, T, hs)
+        return q, k, v
+
+    def _repeat_kv(self, t: torch.Tensor) -> torch.Tensor:
+        """(B, kv, S, hs) -> (B, h, S, hs): each key/value head repeated for the query heads of its group."""
+        if self.kv_heads == self.h:
+            return t  # plain multi-head attention: nothing to share
+        return t.repeat_interleave(self.h // self.kv_heads, dim=1)  # (B, h, S, hs)
 
     def _manual_attention(self, q, k, v, mask, p: float) -> tuple[torch.Tensor, torch.Tensor]:
         """The readable path: softmax(q k^T / sqrt(hs)) v, returning the weights (B, h, T, T) as well."""
@@ -114,6 +176,8 @@ class MultiHeadAttention(nn.Module):
         """A new layer with only `heads` (indices into this layer's, in that order): smaller QKV and output
         projections, the same head_dim. Its output equals this layer's with every other head's gate at 0."""
         heads = list(heads)
+        if self.kv_heads != self.h:
+            raise ValueError(f"pruning needs kv_heads == h; this layer has h={self.h}, kv_heads={self.kv_heads}")
         if not heads or len(set(heads)) != len(heads) or any(not 0 <= i < self.h for i in heads):
             raise ValueError(f"heads to keep must be distinct indices in [0, {self.h}), at least one; got {heads}")
         bias = self.qkv.bias is not None
@@ -135,10 +199,16 @@ class MultiHeadAttention(nn.Module):
 
         Weights only: this layer always takes batch-first input, and its mask is 1 = token where torch's
         key_padding_mask is True = ignore (pass `~key_padding_mask`)."""
-        if mha.embed_dim != self.d_model or mha.num_heads != self.h or self.inner_dim != self.d_model:
+        if (
+            mha.embed_dim != self.d_model
+            or mha.num_heads != self.h
+            or self.inner_dim != self.d_model
+            or self.kv_heads != self.h
+        ):
             raise ValueError(
                 f"cannot load nn.MultiheadAttention(embed_dim={mha.embed_dim}, num_heads={mha.num_heads}) into "
-                f"MultiHeadAttention(d_model={self.d_model}, h={self.h}, head_dim={self.head_dim})"
+                f"MultiHeadAttention(d_model={self.d_model}, h={self.h}, head_dim={self.head_dim}, "
+                f"kv_heads={self.kv_heads})"
             )
         if mha.in_proj_weight is None:
             raise ValueError("nn.MultiheadAttention with separate q/k/v dimensions (kdim/vdim) is not supported")

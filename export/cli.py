@@ -69,7 +69,17 @@ def _parser() -> argparse.ArgumentParser:
         metavar="MODULE:FACTORY",
         help="package.module:factory, your own model built with our attention layer",
     )
-    p.add_argument("--name-prefix", metavar="PREFIX", help="prefix of the configuration names (default: mha)")
+    p.add_argument(
+        "--name-prefix", metavar="PREFIX", help="prefix of the configuration names (default: mha, lm with --decoder)"
+    )
+    p.add_argument(
+        "--decoder",
+        action="store_true",
+        help="export decoder-only language models with a KV cache (lm-h8-kv2-d512), untrained",
+    )
+    p.add_argument(
+        "--kv-heads", metavar="N", type=int, help="a decoder's key/value heads, dividing each h (default: h)"
+    )
     p.add_argument(
         "--config", metavar="FILE", type=Path, help="YAML or JSON file with the same keys; flags override it"
     )
@@ -90,9 +100,46 @@ class Job:
     config: object  # export.model.EncoderConfig | None (torch is imported only once the arguments are good)
 
 
+def _decoder_jobs(settings: ExportSettings) -> list[Job]:
+    from export.decoder import DecoderConfig
+    from export.decoder_parity import MIN_CONTEXT
+
+    given = [flag for flag, on in _CLASSIFIER_ONLY.items() if on(settings)]
+    if given:
+        raise UsageError(f"{given[0]} does not apply to --decoder (a language model has no classes or variants yet)")
+    if settings.max_len < MIN_CONTEXT:
+        raise UsageError(
+            f"--max-len {settings.max_len} is below {MIN_CONTEXT}: the generation parity gate runs a prompt and "
+            f"32 generated tokens within the context length"
+        )
+    jobs = []
+    for h in settings.heads:
+        kwargs = dict(heads=h, kv_heads=settings.kv_heads, d_model=settings.d_model, head_dim=settings.head_dim)
+        kwargs.update(layers=settings.layers, ff_dim=settings.ff_dim, max_len=settings.max_len)
+        kwargs.update(vocab_size=settings.vocab_size, name_prefix=settings.prefix)
+        try:
+            jobs.append(Job(DecoderConfig(**kwargs)))
+        except ValueError as exc:
+            raise UsageError(str(exc)) from exc
+    return jobs
+
+
+_CLASSIFIER_ONLY = {  # flags that --decoder refuses, with how to tell they were given
+    "--model": lambda s: s.model is not None,
+    "--attention": lambda s: s.attention,
+    "--labels": lambda s: s.labels is not None,
+    "--num-classes": lambda s: s.num_classes is not None,
+    "--precision": lambda s: s.precision != ("fp32",),
+}
+
+
 def _jobs(settings: ExportSettings, takes_config: bool) -> list[Job]:
     from export.model import EncoderConfig
 
+    if settings.decoder:
+        return _decoder_jobs(settings)
+    if settings.kv_heads is not None:
+        raise UsageError("--kv-heads needs --decoder: a classifier's layers have as many key/value heads as heads")
     num_classes, labels = settings.class_labels()
     if not takes_config:
         if settings.heads_given:
@@ -102,7 +149,7 @@ def _jobs(settings: ExportSettings, takes_config: bool) -> list[Job]:
     for h in settings.heads:
         kwargs = dict(heads=h, d_model=settings.d_model, head_dim=settings.head_dim, layers=settings.layers)
         kwargs.update(ff_dim=settings.ff_dim, max_len=settings.max_len, vocab_size=settings.vocab_size)
-        kwargs.update(num_classes=num_classes, name_prefix=settings.name_prefix)
+        kwargs.update(num_classes=num_classes, name_prefix=settings.prefix)
         if labels is not None:
             kwargs["labels"] = labels
         try:
@@ -127,9 +174,12 @@ def _build(job: Job, settings: ExportSettings, factory, exporter: dict[str, str]
     import torch
 
     from export import user_model
+    from export.decoder import DecoderConfig, DecoderLM
     from export.model import AttentionOutputs, EncoderClassifier
 
     torch.manual_seed(settings.seed)
+    if isinstance(job.config, DecoderConfig):
+        return DecoderLM(job.config), None, job.config.metadata(exporter)
     if factory is None:
         model = EncoderClassifier(job.config)
         variant = AttentionOutputs(model) if settings.attention else None
@@ -138,13 +188,14 @@ def _build(job: Job, settings: ExportSettings, factory, exporter: dict[str, str]
     num_classes, labels = settings.class_labels()
     defaults = dict(vocab_size=settings.vocab_size, max_len=settings.max_len, num_classes=num_classes)
     defaults["labels"] = labels or ("negative", "positive")  # class_labels() gives None only for 2 classes
-    meta = user_model.describe(model, factory.spec, defaults, settings.name_prefix, exporter)
+    meta = user_model.describe(model, factory.spec, defaults, settings.prefix, exporter)
     variant = user_model.WithAttention(model, factory.spec) if settings.attention else None
     return model, variant, meta
 
 
 def _run(settings: ExportSettings, factory, jobs: list[Job]) -> list:
     from export.convert import export_model, exporter_versions
+    from export.decoder_export import export_decoder
 
     exporter = exporter_versions()
     results = []
@@ -159,7 +210,10 @@ def _run(settings: ExportSettings, factory, jobs: list[Job]) -> list:
                 print(f"{step} {meta.name}: exists in {settings.out}, skipped (--force replaces it)", flush=True)
             else:
                 print(f"{step} {meta.name}: exporting ({_describe(meta, model, variant)}) ...", flush=True)
-                result = export_model(model, meta, settings.out, attention_variant=variant, atol=settings.atol)
+                if settings.decoder:
+                    result = export_decoder(model, meta, settings.out, atol=settings.atol)
+                else:
+                    result = export_model(model, meta, settings.out, attention_variant=variant, atol=settings.atol)
                 result = replace(result, seconds=time.perf_counter() - start)  # building the model included
                 print(
                     f"{step} {meta.name}: passed the parity gate (max diff {result.max_diff:.2g}), "
@@ -194,7 +248,8 @@ def _variants(step: str, settings: ExportSettings, name: str) -> None:
 def _describe(meta, model, variant) -> str:
     params = sum(p.numel() for p in model.parameters())
     layers = f"{meta.layers} layer{'s' if meta.layers != 1 else ''}"
-    text = f"h={meta.heads}, head_dim={meta.head_dim}, d_model={meta.d_model}, {layers}, {params:,} params"
+    kv = f", kv_heads={meta.kv_heads}" if hasattr(meta, "kv_heads") else ""
+    text = f"h={meta.heads}{kv}, head_dim={meta.head_dim}, d_model={meta.d_model}, {layers}, {params:,} params"
     return text + (", with the attention variant" if variant is not None else "")
 
 

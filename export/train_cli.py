@@ -10,7 +10,9 @@ from pathlib import Path
 
 import torch
 
+from export import lm_train_cli
 from export.convert import ExportError
+from export.docs_corpus import CORPUS
 from export.parity import ParityError
 from export.tasks import TASKS, get_task
 from export.train import TrainConfig, export_trained, train
@@ -70,13 +72,31 @@ def training_config(args: argparse.Namespace, heads: int, seed: int) -> TrainCon
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mha-serving train", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="mha-serving train",
+        description=__doc__,
+        epilog=f"--task {CORPUS} trains a decoder-only language model on the Python documentation instead "
+        "(--heads, --kv-heads, --d-model, --layers, --max-len, --steps, --batch-size, --lr); docs/heads-lab.md",
+    )
     add_training_arguments(parser)
     parser.add_argument("--heads", type=int, default=4, help="number of attention heads (default %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="(default %(default)s)")
     parser.add_argument("--out", type=Path, default=Path("models"), help="models folder (default %(default)s)")
     parser.add_argument("--no-attention", action="store_true", help="skip model.attn.onnx (no attention maps)")
+    parser.add_argument("--kv-heads", type=int, default=None, help="docs-lm: key/value heads, dividing --heads")
+    parser.add_argument("--max-len", type=int, default=None, help="docs-lm: context length in tokens (default 128)")
+    parser.add_argument(
+        "--val-fraction", type=float, default=None, help="docs-lm: share of the tokens held out (default 0.1)"
+    )
     args = parser.parse_args(argv)
+    if args.task == CORPUS:
+        return lm_train_cli.main(args)
+    given = [flag for flag, value in (("--kv-heads", args.kv_heads), ("--max-len", args.max_len)) if value is not None]
+    if args.val_fraction is not None:
+        given.append("--val-fraction")
+    if given:
+        print(f"mha-serving train: {given[0]} applies to --task {CORPUS} only", file=sys.stderr)
+        return 2
 
     try:
         config = training_config(args, args.heads, args.seed)
