@@ -7,7 +7,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from contract.metadata import ATTENTION_MASK, INPUT_IDS, LOGITS, MODEL_FILE, MetadataError, ModelMetadata
+from contract.metadata import (
+    ARCH_KEY,
+    ATTENTION_MASK,
+    DECODER,
+    INPUT_IDS,
+    LOGITS,
+    MODEL_FILE,
+    MetadataError,
+    ModelMetadata,
+)
 from service.errors import ModelFileError
 
 INT64 = "tensor(int64)"
@@ -50,6 +59,11 @@ def check_contract(name: str, props: dict[str, str], inputs: list, outputs: list
 
     `inputs` / `outputs` are ONNX Runtime NodeArg-like objects (name, type, shape).
     """
+    if props.get(ARCH_KEY) == DECODER:  # a language model (export --decoder, train --task docs-lm)
+        raise ModelFileError(
+            f"model {name!r} is a decoder (arch=decoder): this server serves classifiers only, token generation is "
+            "not served yet; keep decoders out of the models folder, or name the models to serve"
+        )
     try:
         meta = ModelMetadata.from_props(props)
     except MetadataError as exc:

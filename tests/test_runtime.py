@@ -129,6 +129,13 @@ def test_contract_check_rejects_a_file_without_our_metadata():
         check_contract("x", {}, inputs, [_arg("logits", "tensor(float)", ("batch", 2))])
 
 
+def test_a_decoder_in_the_models_folder_is_refused_saying_it_is_a_decoder():
+    props = {"mha_serving.schema": "1", "arch": "decoder", "name": "lm-h4-kv1-d64"}
+    inputs = [_arg("input_ids"), _arg("attention_mask"), _arg("position_ids")]
+    with pytest.raises(ModelFileError, match=r"'lm-h4-kv1-d64' is a decoder \(arch=decoder\): this server serves"):
+        check_contract("lm-h4-kv1-d64", props, inputs, [_arg("logits", "tensor(float)", ("batch", "seq", 260))])
+
+
 def test_find_models_lists_folders_and_names_what_is_wrong(tiny_models_dir, tmp_path):
     assert find_models(tiny_models_dir) == NAMES
     assert find_models(tiny_models_dir, ["mha-h4-d32"]) == ["mha-h4-d32"]
