@@ -114,7 +114,8 @@ def _finish(path: Path, meta: DecoderMetadata, opset: int) -> DecoderMetadata:
                 raise ExportError(f"{meta.name}: {value.name} has {dim} where the contract wants {want}")
     del model.graph.value_info[:]  # the exporter's symbols (s10, s70...) for inner tensors: ORT infers them again
     fused = any(node.op_type == "Attention" and node.domain in ("", "ai.onnx") for node in model.graph.node)
-    meta = replace(meta, attention_kernel=ONNX_ATTENTION if fused else PLAIN_ATTENTION)
+    exporter = {**meta.exporter, "opset": str(opset)} if meta.exporter else {}  # not the classifiers' opset
+    meta = replace(meta, attention_kernel=ONNX_ATTENTION if fused else PLAIN_ATTENTION, exporter=exporter)
     try:
         onnx_file.save(model, meta, path)
     except onnx.checker.ValidationError as exc:

@@ -9,12 +9,13 @@ from pathlib import Path
 
 import onnx
 
+from contract.decoder_metadata import DecoderMetadata
 from contract.metadata import MetadataError, ModelMetadata
 
 EXTERNAL_DATA_THRESHOLD = 1 << 30  # 1 GiB: larger models keep weights in model.onnx.data (protobuf caps at 2 GiB)
 
 
-def save(model: onnx.ModelProto, meta: ModelMetadata, path: Path) -> None:
+def save(model: onnx.ModelProto, meta: ModelMetadata | DecoderMetadata, path: Path) -> None:
     """Write `model` to `path` with `meta` as its only metadata; onnx.checker.ValidationError if the file is invalid."""
     del model.metadata_props[:]
     for key, value in meta.to_props().items():

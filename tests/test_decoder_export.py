@@ -107,6 +107,8 @@ def test_the_folder_holds_the_layout_and_describes_itself(exported):
     assert genai["type"] == "decoder" and genai["decoder"]["num_key_value_heads"] == 1
     config = json.loads((folder / "config.json").read_text())
     assert config["arch"] == "decoder" and config["parity"]["tokens"] >= 4 * 32
+    assert meta.attention_kernel == "onnx.Attention"
+    assert {(o.domain or "ai.onnx", o.version) for o in model.opset_import} >= {("ai.onnx", 23)}
 
 
 @pytest.mark.parametrize(("h", "kv"), HEAD_PAIRS)
