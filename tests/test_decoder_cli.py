@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from service.cli import main
+
 MHA_SERVING = Path(sys.executable).parent / "mha-serving"
 SMALL = ["--d-model", "16", "--layers", "1", "--max-len", "40"]
 
@@ -30,20 +32,39 @@ BAD_INPUTS = [
 ]
 
 
+@pytest.fixture
+def keep_torch_threads():
+    """`train` sets torch's thread count for its run; in process, give the session's back after."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize(("argv", "words"), BAD_INPUTS, ids=[" ".join(argv) for argv, _ in BAD_INPUTS])
-def test_bad_input_is_one_line_and_a_non_zero_exit(tmp_path, argv, words):
+def test_bad_input_is_one_line_and_a_non_zero_exit(tmp_path, capsys, keep_torch_threads, argv, words):
     out = tmp_path / "models"
-    done = subprocess.run(
-        [str(MHA_SERVING), *argv, "--out", str(out)], capture_output=True, text=True, timeout=120, cwd=tmp_path
-    )
-    assert done.returncode != 0
-    assert done.stderr.count("\n") == 1, done.stderr
-    assert done.stderr.startswith(f"mha-serving {argv[0]}: ")
-    assert words in done.stderr
-    assert "Traceback" not in done.stdout + done.stderr
+    status = main([*argv, "--out", str(out)])  # the console script's entry, in process (torch imported once)
+    captured = capsys.readouterr()
+    assert status == 2
+    assert captured.err.count("\n") == 1, captured.err
+    assert captured.err.startswith(f"mha-serving {argv[0]}: ")
+    assert words in captured.err
+    assert "Traceback" not in captured.out + captured.err
     assert not out.exists() or not any(out.iterdir())
 
 
+def test_the_console_script_says_it_on_stderr_with_its_exit_status(tmp_path):
+    argv, words = BAD_INPUTS[0]
+    command = [str(MHA_SERVING), *argv, "--out", str(tmp_path / "models")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr.startswith("mha-serving export: ") and words in done.stderr
+    assert done.stderr.count("\n") == 1 and not (tmp_path / "models").exists()
+
+
+@pytest.mark.slow
 def test_export_decoder_writes_an_untrained_decoder_folder(tmp_path):
     argv = ["export", "--decoder", "--heads", "2", "--kv-heads", "1", *SMALL, "--out", str(tmp_path)]
     done = subprocess.run([str(MHA_SERVING), *argv], capture_output=True, text=True, timeout=300, cwd=tmp_path)

@@ -5,6 +5,7 @@ is, and the generation parity gate refusing a wrong graph without leaving a file
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,8 @@ from export import decoder_export
 from export.decoder import DecoderConfig, DecoderLM, FlatCache
 from export.decoder_parity import GenerationParityError
 
-HEAD_PAIRS = [(4, 4), (4, 2), (4, 1)]
+# (4, 1) in the inner loop (`make test-fast`); every pair in `make test` (each export takes a few seconds)
+HEAD_PAIRS = [pytest.param(4, 4, marks=pytest.mark.slow), pytest.param(4, 2, marks=pytest.mark.slow), (4, 1)]
 LAYERS, D_MODEL, MAX_LEN = 2, 32, 64
 NEW_TOKENS = 24
 
@@ -34,14 +36,18 @@ def _model(h: int, kv: int) -> DecoderLM:
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory) -> dict[tuple[int, int], Path]:
+def exported(tmp_path_factory) -> Callable[[int, int], Path]:
+    """(h, kv_heads) -> the folder of that tiny decoder, exported through the normal path on first use."""
     out = tmp_path_factory.mktemp("decoders")
-    folders = {}
-    for h, kv in HEAD_PAIRS:
-        model = _model(h, kv)
-        result = decoder_export.export_decoder(model, model.config.metadata(), out)
-        folders[(h, kv)] = result.folder
-    return folders
+    folders: dict[tuple[int, int], Path] = {}
+
+    def folder(h: int, kv: int) -> Path:
+        if (h, kv) not in folders:
+            model = _model(h, kv)
+            folders[(h, kv)] = decoder_export.export_decoder(model, model.config.metadata(), out).folder
+        return folders[(h, kv)]
+
+    return folder
 
 
 def _session(folder: Path) -> ort.InferenceSession:
@@ -86,7 +92,7 @@ def greedy_without_cache(session, ids: np.ndarray, mask: np.ndarray, kv: int, he
 
 
 def test_the_folder_holds_the_layout_and_describes_itself(exported):
-    folder = exported[(4, 1)]
+    folder = exported(4, 1)
     assert folder.name == "lm-h4-kv1-d32"
     names = {p.name for p in folder.iterdir()}
     assert {"model.onnx", "config.json", "genai_config.json", "tokenizer.json", "tokenizer_config.json"} <= names
@@ -113,7 +119,7 @@ def test_the_folder_holds_the_layout_and_describes_itself(exported):
 
 @pytest.mark.parametrize(("h", "kv"), HEAD_PAIRS)
 def test_greedy_with_the_cache_equals_rerunning_the_whole_sequence(exported, h, kv):
-    session, head_dim = _session(exported[(h, kv)]), D_MODEL // h
+    session, head_dim = _session(exported(h, kv)), D_MODEL // h
     ids = np.array([[BOS_ID, 80, 121, 116, 108, 114, 118]], np.int64)  # 7 tokens: not the traced 8
     mask = np.ones_like(ids)
     cached, presents = greedy_with_cache(session, ids, mask, kv, head_dim, NEW_TOKENS)
@@ -124,7 +130,7 @@ def test_greedy_with_the_cache_equals_rerunning_the_whole_sequence(exported, h, 
 
 @pytest.mark.parametrize(("h", "kv"), HEAD_PAIRS)
 def test_a_left_padded_batch_generates_what_each_prompt_generates_alone(exported, h, kv):
-    session, head_dim = _session(exported[(h, kv)]), D_MODEL // h
+    session, head_dim = _session(exported(h, kv)), D_MODEL // h
     prompts = [[BOS_ID, 70, 71], [BOS_ID, 90, 91, 92, 93, 94, 95, 96, 97, 98, 99]]
     width = max(len(p) for p in prompts)
     ids = np.array([[0] * (width - len(p)) + p for p in prompts], np.int64)
@@ -139,7 +145,7 @@ def test_a_left_padded_batch_generates_what_each_prompt_generates_alone(exported
 @pytest.mark.parametrize(("h", "kv"), HEAD_PAIRS)
 def test_onnxruntime_genai_loads_the_folder_and_generates_the_same_tokens(exported, h, kv):
     og = pytest.importorskip("onnxruntime_genai")
-    folder, head_dim = exported[(h, kv)], D_MODEL // h
+    folder, head_dim = exported(h, kv), D_MODEL // h
     prompt = [BOS_ID, 80, 121, 116, 108, 114, 118]
     model = og.Model(str(folder))
     params = og.GeneratorParams(model)
@@ -160,7 +166,7 @@ def test_onnxruntime_genai_loads_the_folder_and_generates_the_same_tokens(export
 
 def test_onnxruntime_genai_reads_the_byte_tokenizer(exported):
     og = pytest.importorskip("onnxruntime_genai")
-    tokenizer = og.Tokenizer(og.Model(str(exported[(4, 2)])))
+    tokenizer = og.Tokenizer(og.Model(str(exported(4, 1))))
     text = "def f(x):\n    return x  # é ✓"
     ids = [int(i) for i in tokenizer.encode(text)]
     assert [BOS_ID, *ids] == ByteTokenizer(MAX_LEN).encode(text)  # its encode adds no BOS: the caller prepends it
@@ -186,7 +192,7 @@ def _perturb_output(path: Path) -> None:
     raise AssertionError("no lm_head.weight initializer to perturb")
 
 
-@pytest.mark.parametrize("fault", ["drops the cache", "perturbed logits"])
+@pytest.mark.parametrize("fault", ["drops the cache", pytest.param("perturbed logits", marks=pytest.mark.slow)])
 def test_the_gate_refuses_a_wrong_graph_with_the_measured_difference_and_writes_nothing(tmp_path, monkeypatch, fault):
     if fault == "drops the cache":
         monkeypatch.setattr(decoder_export, "FlatCache", _DropsTheCache)

@@ -50,7 +50,6 @@ def test_a_split_shorter_than_one_window_is_refused_naming_the_numbers():
 
 
 def test_a_few_dozen_steps_bring_the_validation_loss_below_uniform():
-    torch.set_num_threads(1)
     config = LMTrainConfig(heads=4, kv_heads=1, d_model=32, layers=1, max_len=48, steps=40, batch_size=16, lr=1e-2)
     corpus = load_corpus()
     result = train_lm(config, log=None, corpus=corpus)
