@@ -72,3 +72,14 @@ def test_export_decoder_writes_an_untrained_decoder_folder(tmp_path):
     assert "lm-h2-kv1-d16: passed the parity gate" in done.stdout
     names = {p.name for p in (tmp_path / "lm-h2-kv1-d16").iterdir()}
     assert {"model.onnx", "config.json", "genai_config.json", "tokenizer.json", "tokenizer_config.json"} <= names
+
+
+def test_a_config_file_sets_decoder_and_kv_heads_and_names_take_the_lm_prefix(tmp_path):
+    from export import cli
+
+    config = tmp_path / "export.yaml"
+    config.write_text("decoder: true\nkv_heads: 2\nheads: [4, 8]\nd_model: 64\n")
+    settings = cli.parse_settings(["--config", str(config)])
+    assert (settings.decoder, settings.kv_heads, settings.heads, settings.prefix) == (True, 2, (4, 8), "lm")
+    assert [job.config.name for job in cli._jobs(settings, takes_config=True)] == ["lm-h4-kv2-d64", "lm-h8-kv2-d64"]
+    assert cli.parse_settings(["--heads", "4"]).prefix == "mha"
