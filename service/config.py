@@ -5,10 +5,11 @@ Pydantic lives here only, at the process boundary; code inside the service gets 
 
 from __future__ import annotations
 
+import math
 import os
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StringConstraints, field_validator, model_validator
 
 from service.limits import RequestLimits
 from service.repository_settings import RepositorySettings
@@ -212,9 +213,13 @@ class Shadow(BaseModel):
     """A model that gets a copy of a share of a route's requests: its answers are compared with the answered ones
     (the agreement metrics), never returned."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: str = Field(description="the shadow model's name")
-    fraction: float = Field(1.0, description="the share of the route's requests mirrored to it, within [0, 1]")
+    fraction: float = Field(
+        1.0,
+        description="the share of the route's requests mirrored to it, within [0, 1]",
+        json_schema_extra={"minimum": 0, "maximum": 1},
+    )
 
     @field_validator("fraction")
     @classmethod
@@ -224,13 +229,20 @@ class Shadow(BaseModel):
         return value
 
 
+# A route's name: served like a model's, in URL paths and metric labels (a request names it in its path).
+ROUTE_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+RouteName = Annotated[str, StringConstraints(pattern=ROUTE_NAME)]
+Weight = Annotated[StrictFloat, Field(allow_inf_nan=False, json_schema_extra={"minimum": 0})]
+
+
 class Route(BaseModel):
     """A name served like a model that sends each request to one of its target models by weight."""
 
     model_config = ConfigDict(extra="forbid")
-    targets: dict[str, float] = Field(
+    targets: dict[str, Weight] = Field(
         description="model name -> weight (any non-negative numbers, not all 0): a target's share is its weight over "
-        "the sum; a request with the same `x-route-key` header always reaches the same target for the same weights"
+        "the sum; a request with the same `x-route-key` header always reaches the same target for the same weights",
+        json_schema_extra={"minProperties": 1},
     )
     shadow: Shadow | None = Field(None, description="a model mirrored a share of the requests, on spare capacity only")
 
@@ -240,8 +252,11 @@ class Route(BaseModel):
         negative = {name: weight for name, weight in targets.items() if weight < 0}
         if negative:
             raise ValueError(f"weights must not be negative: {negative}")
-        if sum(targets.values()) <= 0:
+        total = sum(targets.values())
+        if total <= 0:
             raise ValueError(f"the weights must not sum to 0: {targets or 'no targets'}")
+        if not math.isfinite(total):  # each share is a weight over the sum
+            raise ValueError(f"the weights must sum to a finite number: {targets}")
         return targets
 
 
@@ -258,7 +273,7 @@ class AppConfig(BaseModel):
     )
     ingress: IngressSettings = IngressSettings()
     limits: RequestLimits = RequestLimits()
-    routes: dict[str, Route] = Field(
+    routes: dict[RouteName, Route] = Field(
         default_factory=dict,
         description="route name -> its targets and shadow; served like a model (service/routes.py). Redeploying "
         "changes them without a restart (the ingress's user_config)",

@@ -10,7 +10,8 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from service.attention_api import AttentionRequest
-from service.protocol import binary, simple, v2
+from service.config import Route
+from service.protocol import binary, repository, simple, v2
 from service.validation import Bounds, Schema
 
 REF = "#/components/schemas/{model}"
@@ -56,10 +57,11 @@ def responses(ok: type[BaseModel], *errors: int, binary_answer: bool = False) ->
     return out
 
 
-def request_body(model: type[BaseModel]) -> dict[str, Any]:
-    """`openapi_extra` of a route that reads `model` from its body itself (FastAPI does not parse it)."""
+def request_body(model: type[BaseModel], required: bool = True) -> dict[str, Any]:
+    """`openapi_extra` of a route that reads `model` from its body itself (FastAPI does not parse it); its schema is
+    one of those `request_schemas` or `repository_schemas` add to the document."""
     schema = {"$ref": REF.format(model=model.__name__)}
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+    return {"requestBody": {"required": required, "content": {"application/json": {"schema": schema}}}}
 
 
 def binary_request() -> dict[str, Any]:
@@ -69,7 +71,8 @@ def binary_request() -> dict[str, Any]:
         "name": binary.HEADER_NAME,
         "in": "header",
         "required": False,
-        "description": "Binary tensor data only: the length in bytes of the body's JSON header (InferRequestHeader).",
+        "description": "Binary tensor data: the length in bytes of the body's JSON header (InferRequestHeader); 0, "
+        "as no header, means the whole body is JSON (InferRequest).",
         "schema": {"type": "string", "pattern": "^[0-9]+$"},
     }
     extra = request_body(v2.InferRequest)
@@ -88,6 +91,16 @@ def request_schemas(bounds: Bounds) -> dict[str, Schema]:
     return {**v2_schemas, "PredictRequest": simple.request_schema(bounds), "AttentionRequest": attention}
 
 
+def repository_schemas(models: list[str]) -> dict[str, Schema]:
+    """The model repository API's request bodies (and their parts), a route's models named among `models`."""
+    _, defs = models_json_schema([(m, "validation") for m in (*repository.REQUEST_BODIES, Route)], ref_template=REF)
+    schemas = defs["$defs"]
+    if models:  # a route names served models only: any other is a 400 (service/routes.py)
+        schemas["Route"]["properties"]["targets"]["propertyNames"] = {"enum": models}
+        schemas["Shadow"]["properties"]["model"]["enum"] = models
+    return schemas
+
+
 def completed(document: dict[str, Any], bodies: dict[str, Schema], values: dict[str, list[str]]) -> dict:
     """FastAPI's document with the request bodies' schemas (`bodies`, by component name) added, 422 taken out, and
     the path parameters' values this server has (`values`: parameter name -> the model names, the versions)
@@ -102,7 +115,10 @@ def completed(document: dict[str, Any], bodies: dict[str, Schema], values: dict[
             for param in operation.get("parameters", []):
                 if param["in"] != "path":
                     continue
+                pattern = param.get("schema", {}).get("pattern")
                 param["schema"] = {"type": "string", "title": param["name"].capitalize()}  # never null in a path
+                if pattern is not None:
+                    param["schema"]["pattern"] = pattern
                 if values.get(param["name"]):
                     param["schema"]["enum"] = values[param["name"]]
     return document

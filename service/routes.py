@@ -8,13 +8,14 @@ from __future__ import annotations
 import bisect
 import hashlib
 import random
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
 
-from service.config import Route
+from service.config import ROUTE_NAME, Route
 
 ROUTE_KEY = "x-route-key"  # HTTP header (gRPC: metadata key) pinning a request to a target for the same weights
 
@@ -94,6 +95,10 @@ class RouteTable:
         for name, raw in routes.items():
             route = raw if isinstance(raw, Route) else _parsed(name, raw)
             where = f"routes.{name}"
+            if not re.fullmatch(ROUTE_NAME, name):
+                raise RouteConfigError(
+                    f"{where}: a route's name is 1 to 128 letters, digits, '.', '_' or '-', from a letter or digit"
+                )
             if name in models:
                 raise RouteConfigError(f"{where}: a route cannot be named like a model")
             for target in route.targets:

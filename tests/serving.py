@@ -212,3 +212,25 @@ def serve_process(
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=90)
     assert code == 0, log.read_text()
+
+
+def refs(node) -> Iterator[str]:
+    """Every `$ref` in a JSON document (an OpenAPI document, say)."""
+    if isinstance(node, dict):
+        if "$ref" in node:
+            yield node["$ref"]
+        for value in node.values():
+            yield from refs(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from refs(value)
+
+
+def resolved(document: dict, ref: str):
+    """What a local `$ref` (`#/components/...`) points at in `document`; None where nothing is."""
+    node = document
+    for part in ref.removeprefix("#/").split("/"):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node

@@ -101,6 +101,14 @@ def test_a_malformed_binary_body_is_refused_naming_the_problem(case):
         _parsed(raw, headers)
 
 
+def test_a_header_length_of_0_means_the_whole_body_is_json_as_triton_reads_it():
+    body = json.dumps({"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": ["hi"]}]}).encode()
+    assert _parsed(body, {LENGTH: "0"}) == _parsed(body, {})
+    sized = json.dumps({"inputs": [_ids_input([1, 1], 8)]}).encode()
+    with pytest.raises(BadRequestError, match="or 0: the body is all JSON"):
+        _parsed(sized, {LENGTH: "0"})
+
+
 def test_binary_and_json_inputs_mix_and_decode_to_the_same_tensors():
     ids, mask = _ids(2), np.ones((3, 6), dtype=np.int64)
     mask[1, 4:] = 0
@@ -160,6 +168,9 @@ def test_malformed_binary_bodies_get_a_400_and_the_server_keeps_serving(service)
         twice = [(LENGTH, "21"), (LENGTH, "22")]  # which one splits the body? neither: refused
         response = c.post(f"/v2/models/{NAME}/infer", content=GOOD, headers=twice)
         assert response.status_code == 400 and f"{LENGTH} given 2 times" in response.json()["error"]
+        as_json = {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": ["hi"]}]}
+        zero = c.post(f"/v2/models/{NAME}/infer", json=as_json, headers={LENGTH: "0"})  # 0: the body is all JSON
+        assert zero.status_code == 200 and zero.json() == c.post(f"/v2/models/{NAME}/infer", json=as_json).json()
         predict = c.post(f"/v1/models/{NAME}/predict", content=b"{}", headers={"Inference-Header-Content-Length": "2"})
         assert predict.status_code == 400 and "is for POST /v2/models/{name}/infer" in predict.json()["error"]
         ids = _ids(4, (1, 5))

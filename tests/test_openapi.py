@@ -9,9 +9,10 @@ from types import SimpleNamespace
 
 import jsonschema
 import pytest
+from serving import refs, resolved
 
 from contract.metadata import ModelMetadata
-from service.config import RequestLimits
+from service.config import ROUTE_NAME, RequestLimits
 from service.http.api import create_app
 from service.http.api import document as build_document
 from service.protocol import binary
@@ -25,12 +26,19 @@ WIDE = ModelMetadata("mha-h4-d32", 4, 8, 32, layers=2, vocab_size=100, max_len=6
 TIGHTEST = {"max_len": SMALL.max_len, "vocab_size": WIDE.vocab_size, "layers": WIDE.layers}
 
 
+ROUTE = "pair"
+REPOSITORY = {"POST /v2/repository/index"} | {f"POST /v2/repository/models/{{model}}/{a}" for a in ("load", "unload")}
+REPOSITORY |= {"PUT /v2/repository/routes/{route}", "DELETE /v2/repository/routes/{route}"}
+
+
 @pytest.fixture(scope="module")
 def document() -> dict:
-    """The document of the one application over SMALL and WIDE: its routes, model names and the models' limits."""
+    """The document of the one application over SMALL and WIDE, and a route, with the model repository API turned
+    on: its routes, the names served and the models' limits."""
     names = [SMALL.name, WIDE.name]
-    app = create_app(SimpleNamespace(limits=LIMITS, model_names=names))
-    return build_document(app, names, Bounds.of(LIMITS.max_rows, [SMALL, WIDE]))
+    plane = SimpleNamespace(limits=LIMITS, model_names=names, metrics=None)
+    app = create_app(plane, SimpleNamespace(enabled=True))  # the repository is reached only by requests
+    return build_document(app, names, Bounds.of(LIMITS.max_rows, [SMALL, WIDE]), [ROUTE])
 
 
 def valid(document: dict, component: str, body) -> bool:
@@ -45,31 +53,22 @@ def operations(document: dict):
             yield f"{method.upper()} {path}", operation
 
 
-def refs(node):
-    if isinstance(node, dict):
-        if "$ref" in node:
-            yield node["$ref"]
-        for value in node.values():
-            yield from refs(value)
-    elif isinstance(node, list):
-        for value in node:
-            yield from refs(value)
-
-
 def test_every_ref_resolves(document):
     found = set(refs(document))
     assert "#/components/schemas/IdsInput" in found and "#/components/schemas/PredictRequest" in found
+    assert {"#/components/schemas/RepositoryIndexRequest", "#/components/schemas/Route"} <= found
     for ref in found:
-        node = document
-        for part in ref.removeprefix("#/").split("/"):
-            assert part in node, f"{ref} does not resolve"
-            node = node[part]
+        assert resolved(document, ref) is not None, f"{ref} does not resolve"
 
 
 def test_every_status_the_service_answers_is_documented_with_the_error_body_and_none_it_does_not(document):
     for name, operation in operations(document):
         statuses = set(operation["responses"])
-        expected = {"200", "405", "413", "431"} | ({"400", "404", "408", "503"} if name.startswith("POST") else set())
+        expected = {"200", "405", "413", "431"}
+        if name in REPOSITORY:  # administrative: no model answers, every body read within the limits
+            expected |= {"400", "401", "408"}
+        elif name.startswith("POST"):
+            expected |= {"400", "404", "408", "503"}
         assert expected <= statuses and "422" not in statuses, (name, sorted(statuses))
         for status, response in operation["responses"].items():
             schema = response["content"]["application/json"]["schema"]
@@ -82,8 +81,10 @@ def test_every_status_the_service_answers_is_documented_with_the_error_body_and_
 def test_answers_have_schemas_with_their_fields(document):
     schemas = document["components"]["schemas"]
     for name, operation in operations(document):
-        target = operation["responses"]["200"]["content"]["application/json"]["schema"]["$ref"].split("/")[-1]
-        assert schemas[target]["properties"], name
+        answer = resolved(document, operation["responses"]["200"]["content"]["application/json"]["schema"]["$ref"])
+        if answer.get("type") == "array":  # a list of objects (the repository's index)
+            answer = resolved(document, answer["items"]["$ref"])
+        assert answer["properties"] or answer["additionalProperties"] is False, name  # or exactly `{}`
     assert {"logits", "probabilities", "predicted", "config"} <= set(schemas["PredictResponse"]["required"])
 
 
@@ -114,8 +115,12 @@ def test_path_parameters_list_this_servers_values_when_known(document):
             if param["in"] != "path":
                 continue
             assert param["schema"]["type"] == "string", (name, param)
-            if param["name"] == "name":
+            if param["name"] == "name":  # what a request may name: the models, then the routes
+                assert param["schema"]["enum"] == [SMALL.name, WIDE.name, ROUTE]
+            if param["name"] == "model":  # what the repository loads and unloads: models
                 assert param["schema"]["enum"] == [SMALL.name, WIDE.name]
+            if param["name"] == "route":  # any name a route may have (a new one, set by PUT)
+                assert "enum" not in param["schema"] and param["schema"]["pattern"] == ROUTE_NAME
             if param["name"] == "version":
                 assert param["schema"]["enum"] == ["1"]
 
@@ -210,6 +215,36 @@ def test_the_binary_tensor_data_extension_is_described_on_v2_infer(document):
     assert not valid(document, "InferRequestHeader", {"inputs": [sized | {"data": ["a"]}]})
     assert not valid(document, "InferRequestHeader", text_input(shape=[1]))
     assert valid(document, "InferRequestHeader", text_input(shape=[1], data=["a"]))
+
+
+@pytest.mark.parametrize(
+    "component,body,expected",
+    [
+        ("RepositoryIndexRequest", {}, True),
+        ("RepositoryIndexRequest", {"ready": True}, True),
+        ("RepositoryIndexRequest", {"ready": 1}, False),
+        ("RepositoryIndexRequest", [], False),
+        ("RepositoryLoadRequest", {"parameters": {"unload_dependents": False, "n": 5, "s": "x"}}, True),
+        ("RepositoryLoadRequest", {"parameters": None}, True),
+        ("RepositoryLoadRequest", {"parameters": [1]}, False),
+        ("RepositoryLoadRequest", {"parameters": 5}, False),
+        ("RepositoryLoadRequest", {"parameters": {"config": "{}"}}, False),  # Triton's overrides: refused
+        ("RepositoryLoadRequest", {"parameters": {"file:1/model.onnx": "AAAA"}}, False),
+        ("RepositoryLoadRequest", {"parameters": {"a": {"b": 1}}}, False),
+        ("RepositoryUnloadRequest", {"parameters": {"unload_dependents": True}}, True),
+        ("RepositoryUnloadRequest", "x", False),
+        ("Route", {"targets": {SMALL.name: 90, WIDE.name: 10}, "shadow": {"model": WIDE.name, "fraction": 0.5}}, True),
+        ("Route", {"targets": {}}, False),
+        ("Route", {"targets": {SMALL.name: 0, WIDE.name: 1}}, True),
+        ("Route", {"targets": {SMALL.name: -1}}, False),
+        ("Route", {"targets": {SMALL.name: True}}, False),
+        ("Route", {"targets": {"not-served": 1}}, False),  # a route names served models only
+        ("Route", {"targets": {SMALL.name: 1}, "shadow": {"model": WIDE.name, "fraction": 2}}, False),
+        ("Route", {"targets": {SMALL.name: 1}, "extra": 1}, False),
+    ],
+)
+def test_the_repository_body_schemas_say_what_the_service_takes(document, component, body, expected):
+    assert valid(document, component, body) is expected
 
 
 @pytest.mark.serve

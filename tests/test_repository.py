@@ -8,8 +8,11 @@ shadow step, the route set back as it was; no request fails either way."""
 
 from __future__ import annotations
 
+import itertools
+import json
 import shutil
 import signal
+import socket
 import threading
 import time
 from dataclasses import replace
@@ -21,9 +24,10 @@ import torch
 import tritonclient.http as triton
 import yaml
 from conftest import TINY, export_tiny_model
-from serving import serve_process
+from serving import refs, resolved, serve_process
 from tritonclient.utils import InferenceServerException
 
+from benchmarks.harness.processes import descendants_named, memory_kib
 from contract.repository import TOKEN_ENV
 from export.convert import export_model, exporter_versions
 from export.model import EncoderClassifier, EncoderConfig
@@ -41,6 +45,15 @@ ROUTE = "pair"
 NEW = "mha-h1-d32"  # exported beside the served folder, copied in by the tests
 TWIN = "mha-h2-d32-twin"  # mha-h2-d32's weights under another name: it agrees with it everywhere
 ROLLOUT_ROUTE = "classifier"
+BODY_TIMEOUT_S = 2.0  # limits.body_timeout_s: the trickling bodies' test waits for it
+# Every repository operation (method, path): none is carried out by the limits' and bodies' tests below
+OPERATIONS = [
+    ("POST", "/v2/repository/index"),
+    ("POST", f"/v2/repository/models/{NEW}/load"),
+    ("POST", "/v2/repository/models/mha-h2-d32/unload"),
+    ("PUT", "/v2/repository/routes/trial"),
+    ("DELETE", "/v2/repository/routes/trial"),
+]
 
 
 class Server:
@@ -80,7 +93,8 @@ def server(tiny_models_dir, tmp_path_factory):
     export_model(EncoderClassifier(twin), replace(twin.metadata(exporter_versions()), name=TWIN), models_dir)
     config, log = folder / "serve.yaml", folder / "serve.log"
     routes = {ROUTE: {"targets": {"mha-h2-d32": 1}}, ROLLOUT_ROUTE: {"targets": {"mha-h2-d32": 1}}}
-    config.write_text(yaml.safe_dump({"models_dir": str(models_dir), "routes": routes}))
+    limits = {"body_timeout_s": BODY_TIMEOUT_S}
+    config.write_text(yaml.safe_dump({"models_dir": str(models_dir), "routes": routes, "limits": limits}))
     port, metrics_port = free_port(), free_port()
     args = ["--config", str(config), "--processes", "2", "--port", str(port), "--grpc-port", "0", "--repository"]
     args += ["--metrics-port", str(metrics_port)]
@@ -257,3 +271,164 @@ def test_a_candidate_below_the_agreement_bar_is_rolled_back_and_the_route_set_ba
     assert server.admin.route(ROLLOUT_ROUTE) == before
     assert failures == [] and set(answered) == {incumbent}
     assert any("set back as it was" in line for line in lines)
+
+
+def _head(method: str, path: str, headers: dict[str, str], framing: str) -> bytes:
+    lines = [f"{method} {path} HTTP/1.1", "Host: 127.0.0.1", "Content-Type: application/json", framing]
+    lines += [f"{k}: {v}" for k, v in headers.items()]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+def _chunked(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+def _answer(sock: socket.socket) -> tuple[int, str]:
+    """The status and JSON error of one answer, however the connection ends after it."""
+    answer = b""
+    try:
+        while b"\r\n\r\n" not in answer or len(answer.partition(b"\r\n\r\n")[2]) < _length(answer):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            answer += chunk
+    except (ConnectionResetError, TimeoutError):
+        pass
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 ") and b"application/json" in head.lower(), answer[:300]
+    return int(head[9:12]), json.loads(body)["error"]
+
+
+def _length(answer: bytes) -> int:
+    head = answer.partition(b"\r\n\r\n")[0].lower()
+    return int(head.split(b"content-length:")[1].split(b"\r\n")[0]) if b"content-length:" in head else 0
+
+
+def _send_chunked(server: Server, method: str, path: str, headers: dict[str, str], size: int) -> tuple[int, str]:
+    """`size` bytes as a chunked body, 64 KiB a chunk, until the server stops reading; then its answer."""
+    with socket.create_connection(("127.0.0.1", int(server.base.rsplit(":", 1)[1])), timeout=30) as sock:
+        sock.sendall(_head(method, path, headers, "Transfer-Encoding: chunked"))
+        try:
+            for _ in range(size >> 16):
+                sock.sendall(_chunked(b"x" * 0x10000))
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # answered and closed: the rest is never read
+        return _answer(sock)
+
+
+def test_an_oversized_repository_body_gets_a_readable_413_chunked_or_not_with_or_without_the_token(server):
+    port = int(server.base.rsplit(":", 1)[1])
+    for (method, path), headers in itertools.product(OPERATIONS, (AUTH, {})):
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:  # announced: refused before a byte
+            sock.sendall(_head(method, path, headers, "Content-Length: 2000000"))
+            status, error = _answer(sock)
+        assert status == 413 and "2000000 bytes is over the limit of 1048576" in error, (method, path, error)
+        status, error = _send_chunked(server, method, path, headers, (1 << 20) + (128 << 10))
+        assert status == 413 and "over the limit of 1048576 bytes" in error, (method, path, headers, error)
+    assert server.states()["mha-h2-d32"] == "READY"
+
+
+def test_a_huge_chunked_repository_body_is_cut_off_without_growing_the_serving_processes(server):
+    pids = descendants_named(server.proc.pid, "ServeReplica")
+    before = sum(memory_kib(pid, "Rss") for pid in pids)
+    status, error = _send_chunked(server, "POST", "/v2/repository/index", AUTH, 64 << 20)
+    growth_mib = (sum(memory_kib(pid, "Rss") for pid in pids) - before) / 1024
+    print(f"\n64 MiB chunked index request: {status}, serving processes' RSS +{growth_mib:.1f} MiB")
+    assert status == 413 and "over the limit of 1048576 bytes" in error and growth_mib < 20
+
+
+def test_a_repository_body_trickling_past_the_deadline_gets_408_with_or_without_the_token(server):
+    port = int(server.base.rsplit(":", 1)[1])
+    socks = []
+    start = time.monotonic()
+    for (method, path), headers in itertools.product(OPERATIONS, (AUTH, {})):
+        for framing, first in (("Content-Length: 64", b"{"), ("Transfer-Encoding: chunked", _chunked(b"{"))):
+            sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+            sock.sendall(_head(method, path, headers, framing) + first)  # and no more
+            socks.append((method, path, bool(headers), framing, sock))
+    try:
+        for method, path, token, framing, sock in socks:
+            status, error = _answer(sock)
+            assert status == 408 and f"within {BODY_TIMEOUT_S:g} s" in error, (method, path, token, framing)
+    finally:
+        for *_, sock in socks:
+            sock.close()
+    assert time.monotonic() - start < BODY_TIMEOUT_S + 10  # at the deadline, not at a later timeout of the server
+
+
+MALFORMED = {  # body -> what its 400 names, on every operation that takes a body
+    b"[]": "Input should be an object",
+    b"5": "Input should be an object",
+    b'"x"': "Input should be an object",
+    b"null": "Input should be an object",
+    b"{not json": "malformed JSON body",
+    b"\xff\xfe": "malformed JSON body",
+    b'{"parameters": "\xff"}': "malformed JSON body",  # not UTF-8 inside a string
+}
+MALFORMED_FIELDS = {  # (operation, body) -> what its 400 names
+    ("index", b'{"ready": "yes"}'): "ready: Input should be a valid boolean",
+    ("index", b'{"ready": 1}'): "ready: Input should be a valid boolean",
+    ("load", b'{"parameters": [1]}'): "parameters: Input should be an object",
+    ("load", b'{"parameters": 5}'): "parameters: Input should be an object",
+    ("load", b'{"parameters": {"a": {"b": 1}}}'): "parameters.a",
+    ("load", b'{"parameters": {"config": "{}"}}'): "are not supported",
+    ("load", b'{"parameters": {"file:1/model.onnx": "AAAA"}}'): "are not supported",
+    ("unload", b'{"parameters": [1]}'): "parameters: Input should be an object",
+    ("route", b""): "targets: Field required",
+    ("route", b'{"targets": []}'): "targets: Input should be an object",
+    ("route", b'{"targets": {}}'): "the weights must not sum to 0",
+    ("route", b'{"targets": {"mha-h2-d32": "1"}}'): "targets.mha-h2-d32: Input should be a valid number",
+    ("route", b'{"targets": {"mha-h2-d32": true}}'): "targets.mha-h2-d32: Input should be a valid number",
+    ("route", b'{"targets": {"mha-h2-d32": 1e400}}'): "Input should be a finite number",
+    ("route", b'{"targets": {"mha-h2-d32": 1' + b"0" * 400 + b"}}"): "Input should be a finite number",
+    ("route", b'{"targets": {"mha-h2-d32": 1.7e308, "mha-h4-d32": 1.7e308}}'): "must sum to a finite number",
+    ("route", b'{"targets": {"mha-h2-d32": 1}, "shadow": {"model": 5}}'): "shadow.model",
+    ("route", b'{"targets": {"mha-h2-d32": 1}, "weights": 1}'): "weights: Extra inputs are not permitted",
+}
+WITH_BODY = {  # operation -> its path, for a model with no folder (the body's 400 comes first)
+    "index": "/v2/repository/index",
+    "load": "/v2/repository/models/not-a-model/load",
+    "unload": "/v2/repository/models/not-a-model/unload",
+}
+
+
+def test_every_malformed_repository_body_is_a_400_naming_the_problem_before_the_model_is_looked_up(server):
+    answers = []
+    for path in WITH_BODY.values():
+        for body, message in MALFORMED.items():
+            answers.append((server.post(path, content=body), message, path, body))
+    for (operation, body), message in MALFORMED_FIELDS.items():
+        if operation == "route":
+            r = httpx.put(f"{server.base}/v2/repository/routes/trial", content=body, headers=AUTH, timeout=60)
+            answers.append((r, message, "route", body))
+        else:
+            answers.append((server.post(WITH_BODY[operation], content=body), message, operation, body))
+    for answer, message, where, body in answers:
+        assert answer.status_code == 400 and message in answer.json()["error"], (where, body, answer.text)
+    for name, message in (("bad name!", "a route's name is 1 to 128"), ("mha-h2-d32", "named like a model")):
+        r = httpx.put(f"{server.base}/v2/repository/routes/{name}", json={"targets": {"mha-h2-d32": 1}}, headers=AUTH)
+        assert r.status_code == 400 and message in r.json()["error"], r.text
+    assert server.post("/v2/repository/models/not-a-model/load", content=b"").status_code == 404  # no body: {}
+    routes = httpx.get(f"{server.base}/v1/models", timeout=30).json()["routes"]
+    assert server.states()["mha-h2-d32"] == "READY" and "trial" not in [r["name"] for r in routes]
+
+
+def test_every_ref_of_the_served_document_resolves_the_repository_api_included(server):
+    document = httpx.get(f"{server.base}/openapi.json", timeout=30).json()
+    found = set(refs(document))
+    assert {"#/components/schemas/RepositoryLoadRequest", "#/components/schemas/Route"} <= found
+    for ref in found:
+        assert resolved(document, ref) is not None, f"{ref} does not resolve"
+
+
+def test_any_other_method_gets_405_with_allow_listing_every_method_the_path_serves(server):
+    document = httpx.get(f"{server.base}/openapi.json", timeout=30).json()
+    values = {"name": "mha-h2-d32", "version": "1", "model": "mha-h2-d32", "route": "trial"}
+    with httpx.Client(base_url=server.base, timeout=30) as client:
+        for path, operations in document["paths"].items():
+            served = {method.upper() for method in operations}
+            r = client.options(path.format(**values))
+            allowed = {m.strip() for m in r.headers.get("allow", "").split(",")}
+            assert r.status_code == 405 and allowed == served, (path, r.status_code, r.headers.get("allow"))
+    r = httpx.options(f"{server.base}/v2/repository/routes/trial", timeout=30)
+    assert r.headers["allow"] == "DELETE, PUT" and r.json()["error"], r.text

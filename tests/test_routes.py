@@ -40,6 +40,9 @@ ROUTES = {ROUTE: {"targets": {"mha-h2-d32": 3, "mha-h4-d32": 1}, "shadow": {"mod
         ({"r": {"targets": {"mha-h2-d32": -1, "mha-h4-d32": 2}}}, "routes.r.targets: weights must not be negative"),
         ({"r": {"targets": {"mha-h2-d32": 0, "mha-h4-d32": 0}}}, "routes.r.targets: the weights must not sum to 0"),
         ({"r": {"targets": {}}}, "routes.r.targets: the weights must not sum to 0"),
+        ({"r": {"targets": {"mha-h2-d32": 1e308, "mha-h4-d32": 1e308}}}, "the weights must sum to a finite number"),
+        ({"r": {"targets": {"mha-h2-d32": True}}}, "routes.r.targets.mha-h2-d32: Input should be a valid number"),
+        ({"a route": {"targets": {"mha-h2-d32": 1}}}, "routes.a route.[key]: String should match pattern"),
         (
             {"r": {"targets": {"mha-h2-d32": 1}, "shadow": {"model": "mha-h4-d32", "fraction": 1.5}}},
             "routes.r.shadow.fraction: must be within [0, 1], got 1.5",

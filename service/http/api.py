@@ -16,6 +16,7 @@ from fastapi.responses import Response
 from fastapi.routing import APIRoute
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
+from starlette.routing import BaseRoute, Match
 
 from service import attention_api, openapi
 from service.dataplane import DataPlane
@@ -46,8 +47,8 @@ def create_app(plane: DataPlane, repository: Repository | None = None) -> FastAP
     _v2_routes(app, plane)
     _v1_routes(app, plane)
     if repository is not None and repository.enabled:
-        http_repository.add_routes(app, repository, plane.metrics)
-    openapi_doc.add_routes(app, plane, lambda names, bounds: document(app, names, bounds))
+        http_repository.add_routes(app, repository, plane.metrics, plane.limits)
+    openapi_doc.add_routes(app, plane, lambda models, routes, bounds: document(app, models, bounds, routes))
     return app
 
 
@@ -60,8 +61,11 @@ def _map_errors(app: FastAPI) -> None:
     async def invalid(_: Request, exc: RequestValidationError) -> Response:
         return json_response({"error": "invalid request: " + describe_errors(exc.errors())}, 400)
 
-    async def http_error(_: Request, exc: HTTPException) -> Response:  # Starlette's 404 and 405
-        return json_response({"error": str(exc.detail)}, exc.status_code, exc.headers)
+    async def http_error(request: Request, exc: HTTPException) -> Response:  # Starlette's 404 and 405
+        headers = exc.headers
+        if exc.status_code == 405:  # Starlette names the methods of the first route of the path only
+            headers = {**(headers or {}), "Allow": ", ".join(allowed_methods(app, request.scope))}
+        return json_response({"error": str(exc.detail)}, exc.status_code, headers)
 
     # ServiceError's handler answers and the connection stays open; the one for any other Exception (a 500) runs in
     # Starlette's outermost middleware, which answers, then re-raises: the server logs it and closes the connection.
@@ -69,6 +73,15 @@ def _map_errors(app: FastAPI) -> None:
     app.add_exception_handler(Exception, mapped)
     app.add_exception_handler(RequestValidationError, invalid)
     app.add_exception_handler(HTTPException, http_error)
+
+
+def allowed_methods(app: FastAPI, scope: dict[str, Any]) -> list[str]:
+    """Every method some route serves on the request's path (Allow of a 405, whichever route matched first)."""
+    methods: set[str] = set()
+    for route in app.routes:
+        if isinstance(route, BaseRoute) and route.matches(scope)[0] != Match.NONE:
+            methods |= getattr(route, "methods", None) or set()
+    return sorted(methods)
 
 
 @dataclass(frozen=True)
@@ -234,10 +247,13 @@ def _v1_routes(app: FastAPI, plane: DataPlane) -> None:
         return await inference.attention(plane, request, name)
 
 
-def document(app: FastAPI, model_names: list[str], bounds: Bounds) -> dict[str, Any]:
+def document(app: FastAPI, models: list[str], bounds: Bounds, route_names: list[str] = ()) -> dict[str, Any]:
     """FastAPI's document of the routes, completed (service/openapi.py) with the request bodies within `bounds`
-    and the served model names."""
+    (and the model repository API's, where it is mounted) and the names served: `models`, then `route_names`."""
     routes = [*_inference_docs(), *app.routes]
     built = get_openapi(title=app.title, version=app.version, description=app.description, routes=routes)
-    values = {"name": model_names, "version": [v2.MODEL_VERSION]}
-    return openapi.completed(built, openapi.request_schemas(bounds), values)
+    bodies = openapi.request_schemas(bounds)
+    if any(getattr(r, "path", "").startswith(http_repository.PREFIX) for r in app.routes):
+        bodies |= openapi.repository_schemas(models)
+    values = {"name": [*models, *route_names], "version": [v2.MODEL_VERSION], "model": models}
+    return openapi.completed(built, bodies, values)

@@ -15,7 +15,7 @@ from service.dataplane import DataPlane
 from service.responses import json_response
 from service.validation import Bounds
 
-Build = Callable[[list[str], Bounds], dict[str, Any]]  # served names, bounds -> the document
+Build = Callable[[list[str], list[str], Bounds], dict[str, Any]]  # models, routes, bounds -> the document
 
 
 def add_routes(app: FastAPI, plane: DataPlane, build: Build) -> None:
@@ -40,7 +40,7 @@ async def served_document(app: FastAPI, plane: DataPlane, build: Build) -> dict[
     if app.openapi_schema is None:
         statuses = [await plane.model_status(name) for name in plane.models.names]
         loaded = [s.metadata for s in statuses if s.ready and s.metadata is not None]
-        built = build(plane.models.served_names, Bounds.of(plane.limits.max_rows, loaded))
+        built = build(plane.models.names, plane.models.routes.names, Bounds.of(plane.limits.max_rows, loaded))
         if len(loaded) < len(statuses):
             return built
         app.openapi_schema = built

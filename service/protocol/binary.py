@@ -23,22 +23,25 @@ HEADER = HEADER_NAME.lower()  # as ASGI gives head fields: HTTP header names are
 NUMERIC = {"INT64": np.dtype("<i8")}  # the numeric input datatypes the models take
 DESCRIPTION = (  # the v2 infer routes' OpenAPI description
     "JSON tensor data as the schema says, or the binary tensor data extension: a body of the JSON header "
-    "(`Inference-Header-Content-Length` bytes) followed by the raw little-endian bytes of each input whose "
-    "`parameters.binary_data_size` says how many, in the order of `inputs` (BYTES elements: a 4-byte little-endian "
-    "length, then the UTF-8 bytes). `logits` comes back binary when its output's `parameters.binary_data` or the "
-    "request's `parameters.binary_data_output` is true: an `application/octet-stream` body, the JSON header's length "
-    "in `Inference-Header-Content-Length`."
+    "(`Inference-Header-Content-Length` bytes; 0, as no header, means the whole body is JSON) followed by the raw "
+    "little-endian bytes of each input whose `parameters.binary_data_size` says how many, in the order of `inputs` "
+    "(BYTES elements: a 4-byte little-endian length, then the UTF-8 bytes). `logits` comes back binary when its "
+    "output's `parameters.binary_data` or the request's `parameters.binary_data_output` is true: an "
+    "`application/octet-stream` body, the JSON header's length in `Inference-Header-Content-Length`."
 )
 
 
 def split(raw: bytes, header_length: str | None) -> tuple[bytes, memoryview | None]:
-    """(JSON header, the binary data after it); None for the binary part when the request has no header length."""
+    """(JSON header, the binary data after it); None for the binary part when the request has no header length, or
+    a length of 0: as Triton reads it (a missing header counts as 0 there), the whole body is then JSON."""
     if header_length is None:
         return raw, None
     text = header_length.strip()
     if not text.isdigit():
         raise BadRequestError(f"{HEADER_NAME} must be a byte count (a non-negative integer), got {header_length!r}")
     size = int(text)
+    if size == 0:
+        return raw, None
     if size > len(raw):
         raise BadRequestError(f"{HEADER_NAME} is {size}, past the end of the {len(raw)}-byte body")
     view = memoryview(raw)
@@ -56,7 +59,8 @@ def attach(request: InferRequest, blob: memoryview | None) -> None:
             raise BadRequestError(f"input {tensor.name!r}: binary_data_size must be a byte count, got {size!r}")
         if blob is None:
             raise BadRequestError(
-                f"input {tensor.name!r} has binary_data_size but the request has no {HEADER_NAME} header"
+                f"input {tensor.name!r} has binary_data_size but the request has no {HEADER_NAME} header (or 0: "
+                "the body is all JSON)"
             )
         if tensor.data is not None:
             raise BadRequestError(f"input {tensor.name!r} has both 'data' and binary_data_size: send one")
