@@ -18,6 +18,11 @@ UNSTATABLE = {
     "a text's UTF-8 bytes fit max_len": r"^text encodes to \d+ tokens \(1 BOS \+ \d+ UTF-8 bytes\)",
     # JSON Schema's integer is any number with no fraction (1.0 too); the service takes integers written as such
     "integers are written as integers": r"(: Input should be a valid integer|: data must be integers, got float)",
+    # a route's weights (service/config.py Route: each is >= 0 and finite, not so their sum) and name
+    # (service/routes.py); "not all 0" can be stated, but then too few generated bodies pass it
+    "a route's weights do not sum to 0": r"targets: Value error, the weights must not sum to 0",
+    "a route's weights sum to a finite number": r"targets: Value error, the weights must sum to a finite number",
+    "a route is not named like a model": r": a route cannot be named like a model$",
 }
 BINARY_HEADER = "inference-header-content-length"
 

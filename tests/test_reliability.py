@@ -1,11 +1,12 @@
 """The service as shipped (`mha-serving serve`, direct ingress, three tiny models, one in its own deployment) against
 a bad day: a flood past capacity, slow bodies, a huge chunked body, oversized heads, schemathesis over the whole
-OpenAPI document, killed replicas, SIGTERM under load; and where it listens. Loopback only, bounded in count and time;
-each test prints what it measured."""
+OpenAPI document (the model repository API included, with its token), killed replicas, SIGTERM under load; and where
+it listens. Loopback only, bounded in count and time; each test prints what it measured."""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import http.client
 import ipaddress
 import itertools
@@ -29,11 +30,14 @@ from benchmarks.harness.processes import descendants, memory_kib
 from benchmarks.harness.server import ServerProcess
 from benchmarks.harness.sockets import tcp_sockets
 from loadtest.http_client import post_bytes, read_response
+from service.repository_settings import RepositorySettings
 
 pytestmark = [pytest.mark.serve, pytest.mark.slow]
 PREDICT = "/v1/models/mha-h2-d32/predict"
 SLOW = "mha-h4-d32"  # a 0.2 s batch window and a short queue: easy to overload
 REMOTE = "mha-h1-d32"  # in its own deployment (as GPU models are on a cluster): the replica the recovery test kills
+REPOSITORY_TOKEN = "a-reliability-test-token"
+KEEPER = "keeps-every-colocated-model-loaded"  # a route no generated request names (schemathesis's are short)
 
 
 def server_config(models_dir, **limits) -> dict:
@@ -59,8 +63,13 @@ def models_dir(tiny_models_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(models_dir):
+    """The service with the model repository API on (schemathesis drives it with the token): a route targets every
+    co-located model, so that no generated unload takes a model away from the other tests (409)."""
     os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")  # as the session's Ray (tests/serving.py)
-    with ServerProcess(server_config(models_dir)) as running:
+    config = server_config(models_dir)
+    config["repository"] = {"enabled": True, "token_sha256": hashlib.sha256(REPOSITORY_TOKEN.encode()).hexdigest()}
+    config["routes"] = {KEEPER: {"targets": {"mha-h2-d32": 1, SLOW: 1}}}
+    with ServerProcess(config) as running:
         yield running
 
 
@@ -258,6 +267,7 @@ def test_expect_100_continue_gets_the_413_first_when_the_body_is_too_large(serve
 
 # Every check, and a schema-valid request must get a 2xx: the document states the served models' limits
 # (tests/schemathesis_hooks.py names the few relations JSON Schema cannot state, and leaves binary bodies out).
+# The model repository API with its token: what its answers depend on is the service's state, not the request.
 SCHEMATHESIS_TOML = """
 [checks.positive_data_acceptance]
 expected-statuses = ["2xx"]
@@ -265,6 +275,23 @@ expected-statuses = ["2xx"]
 [[operations]]
 include-path = "/v1/models/{name}/attention"
 # A model's attention variant is found in its own replica on first use: the document cannot list who has one.
+checks.positive_data_acceptance.expected-statuses = ["2xx", "404"]
+
+[[operations]]
+include-path-regex = "^/v2/repository/models/"
+# 409: the model has its own deployment, or (unload) a route targets it. Each load opens the model in the serving
+# process again: a few are enough to show it, the bodies' shapes are the rest.
+checks.positive_data_acceptance.expected-statuses = ["2xx", "409"]
+generation.max-examples = 10
+
+[[operations]]
+include-name = "PUT /v2/repository/routes/{route}"
+# Each route set reconfigures the serving process (a second or two): as for loads, a few.
+generation.max-examples = 10
+
+[[operations]]
+include-name = "DELETE /v2/repository/routes/{route}"
+# 404: no route of that name (one that a PUT set before is removed)
 checks.positive_data_acceptance.expected-statuses = ["2xx", "404"]
 """
 HOOKS = Path(__file__).with_name("schemathesis_hooks.py")
@@ -275,11 +302,12 @@ def test_schemathesis_finds_no_failure_over_the_whole_openapi_document(server, t
     config.write_text(SCHEMATHESIS_TOML)
     st = str(Path(sys.executable).parent / "st")
     cmd = [st, "--config-file", str(config), "run", f"http://127.0.0.1:{server.port}/openapi.json", "--checks", "all"]
-    cmd += ["--max-examples", "50", "--workers", "1", "--generation-deterministic", "--request-timeout", "10"]
+    cmd += ["--max-examples", "50", "--workers", "1", "--generation-deterministic", "--request-timeout", "30"]
+    cmd += ["--header", f"{RepositorySettings().header}: {REPOSITORY_TOKEN}"]
     cmd += ["--report", "json", "--report-json-path", str(report)]
     env = {**os.environ, "SCHEMATHESIS_HOOKS": str(HOOKS)}
     start = time.perf_counter()
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)  # its cache: there
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)  # its cache: there
     result = json.loads(report.read_text())
     cases = result["test_cases"]
     print(
@@ -290,6 +318,7 @@ def test_schemathesis_finds_no_failure_over_the_whole_openapi_document(server, t
     assert run.returncode == 0, run.stdout[-4000:]
     assert cases["generated"] >= 1000 and cases["with_failures"] == 0 and not result["failures"]
     assert not result["errors"] and not result["warnings"]["unresolvable_reference"]
+    assert result["operations"]["tested"] == result["operations"]["total"]  # the repository's among them
 
 
 def _listening(pids: list[int]) -> list[tuple[str, int, int]]:
