@@ -163,3 +163,37 @@ class ModelFileError(ValueError):
 
 class BackendError(RuntimeError):
     """The requested ORT backend cannot be honoured here; the message says why (never a silent CPU fallback)."""
+
+
+class SamplingParamsError(BadRequestError, ValueError):
+    """400: a generation request's sampling parameters are out of range; the message names the value."""
+
+
+class PromptError(BadRequestError):
+    """400: a generation prompt that is empty, holds token ids outside the vocabulary, or is text for a model that
+    takes token ids only."""
+
+
+class ContextLengthError(BadRequestError):
+    """400: a generation request's prompt plus max_tokens is over the model's context length (both numbers said)."""
+
+    def __init__(self, model: str, prompt_tokens: int, max_tokens: int, context: int) -> None:
+        super().__init__(
+            f"model {model!r}: the prompt's {prompt_tokens} tokens + max_tokens {max_tokens} = "
+            f"{prompt_tokens + max_tokens} tokens, over its context length of {context} tokens"
+        )
+
+
+class QueueTimeoutError(OverCapacityError):
+    """503 with Retry-After: a generation request waited in its model's queue past `queue_timeout_s` for room in
+    the KV cache; nothing was generated."""
+
+    def __init__(self, model: str, waited_s: float, limit_s: float) -> None:
+        super().__init__(
+            f"model {model!r} is over capacity: the request waited {waited_s:.1f} s for room in its KV cache "
+            f"(queue_timeout_s {limit_s:g}); retry later"
+        )
+
+
+class GenerationFailedError(ServiceError):
+    """500: a decoding step of the model failed; every sequence in that step ends with this error."""

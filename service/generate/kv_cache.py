@@ -1,0 +1,84 @@
+"""The running batch's KV cache: per layer, past keys and values of shape (B, kv_heads, W, head_dim), each sequence in
+its own row, right-aligned (its cached tokens are the row's last `lengths[row]` columns; the columns before them are
+padding, masked out). The only module that knows that layout, so issue 59 can swap it for preallocated buffers written
+in place. No torch.
+
+Where the copies are today (each a full copy of every layer's cache, hence the budget in tokens, not in rows):
+  1. every decoding step: the graph concatenates past and the new token into `present` (inside ONNX Runtime);
+  2. `join`: the running rows and the new ones copied into arrays one prefill wider or taller;
+  3. `keep`: rows that leave dropped and all-padding leading columns trimmed, in one copy.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from contract.decoder_metadata import POSITION_IDS, DecoderMetadata
+from contract.metadata import ATTENTION_MASK, INPUT_IDS
+
+
+class BatchCache:
+    """Rows in the order of `BatchCache.rows`' caller (the step runner keeps which sequence is in which row)."""
+
+    def __init__(self, meta: DecoderMetadata, dtype: np.dtype) -> None:
+        self._past_names = meta.input_names[3:]  # past_key_values.{i}.key|value, in the graph's order
+        self._shape, self._dtype = (meta.kv_heads, meta.head_dim), dtype
+        self.lengths = np.zeros(0, np.int64)  # (B,) tokens cached per row
+        self.past = self._empty(0, 0)
+
+    @property
+    def width(self) -> int:
+        return self.past[0].shape[2]
+
+    def _empty(self, rows: int, width: int) -> list[np.ndarray]:
+        kv, hd = self._shape
+        return [np.zeros((rows, kv, width, hd), self._dtype) for _ in self._past_names]  # (B, kv, W, hs) each
+
+    def empty_feeds(self, rows: int) -> dict[str, np.ndarray]:
+        """An empty past (W = 0) for a prefill of `rows` new sequences."""
+        return dict(zip(self._past_names, self._empty(rows, 0), strict=True))
+
+    def decode_feeds(self, tokens: np.ndarray) -> dict[str, np.ndarray]:
+        """(B,) each row's next input token -> the decoding step's feeds: the token at position lengths[row]."""
+        width = self.width
+        first = (width - self.lengths)[:, None]  # (B, 1): each row's first real column
+        mask = (np.arange(width + 1)[None, :] >= first).astype(np.int64)  # (B, W + 1): 0 on the left padding
+        return {
+            INPUT_IDS: tokens[:, None],  # (B, 1)
+            ATTENTION_MASK: mask,
+            POSITION_IDS: self.lengths[:, None].copy(),  # (B, 1): positions count from each row's own first token
+            **dict(zip(self._past_names, self.past, strict=True)),
+        }
+
+    def advance(self, present: list[np.ndarray]) -> None:
+        """After a decoding step: `present` (B, kv, W + 1, hs) per layer is the next past (copy 1 made it)."""
+        self.past = present
+        self.lengths = self.lengths + 1
+
+    def join(self, present: list[np.ndarray], lengths: np.ndarray) -> None:
+        """New rows after the running ones: a prefill's `present` (n, kv, P, hs) per layer, left-padded, with `lengths`
+        (n,) real tokens per row. Copy 2: both sets of rows into arrays max(W, P) wide."""
+        rows, width = self.lengths.size, self.width
+        new_width = max(width, present[0].shape[2])
+        merged = self._empty(rows + len(lengths), new_width)
+        for out, old, new in zip(merged, self.past, present, strict=True):
+            out[:rows, :, new_width - width :] = old  # (B, kv, W, hs) right-aligned in (B + n, kv, W', hs)
+            out[rows:, :, new_width - new.shape[2] :] = new  # (n, kv, P, hs) likewise
+        self.past = merged
+        self.lengths = np.concatenate([self.lengths, lengths.astype(np.int64)])
+
+    def keep(self, rows: list[int]) -> None:
+        """Only these rows stay, in this order; leading columns that are padding in every one left are trimmed.
+        Copy 3 (none when every row stays)."""
+        if rows == list(range(self.lengths.size)):
+            return
+        lengths = self.lengths[rows]
+        width = int(lengths.max()) if lengths.size else 0
+        start = self.width - width
+        index = np.asarray(rows, np.int64)
+        self.past = [p[index, :, start:, :] for p in self.past]  # (B', kv, W', hs): one gather, contiguous
+        self.lengths = lengths
+
+    def clear(self) -> None:
+        self.lengths = np.zeros(0, np.int64)
+        self.past = self._empty(0, 0)

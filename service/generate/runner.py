@@ -1,0 +1,79 @@
+"""The step runner: executes one Schedule on the decoder's ORT session (one batched decoding step for the running rows,
+then one left-padded prefill of the admitted sequences, which then join the batch) and samples each sequence's next
+token. Runs on the engine's thread only. No torch."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from contract.decoder_metadata import POSITION_IDS
+from contract.metadata import ATTENTION_MASK, INPUT_IDS
+from service.generate.kv_cache import BatchCache
+from service.generate.sampling import sample
+from service.generate.scheduler import Schedule
+from service.generate.sequence import Sequence
+from service.generate.session import DecoderRuntime
+
+
+class StepRunner:
+    """Owns the batch: which sequence is in which row of the KV cache."""
+
+    def __init__(self, runtime: DecoderRuntime) -> None:
+        self._session, self._pad_id = runtime.session, runtime.meta.pad_id
+        self._cache = BatchCache(runtime.meta, np.dtype(runtime.cache_dtype))
+        self._rows: list[Sequence] = []
+
+    @property
+    def rows(self) -> int:
+        return len(self._rows)
+
+    def execute(self, plan: Schedule) -> list[tuple[Sequence, int]]:
+        """Every sequence of `plan.decode` and `plan.prefill` with its next token; rows not in `plan.decode` leave
+        first (cancelled, aborted, or finished in the last step)."""
+        self._keep({seq.id for seq in plan.decode})
+        tokens = self._decode() if self._rows else []
+        if plan.prefill:
+            tokens += self._prefill(plan.prefill)
+        return tokens
+
+    def reset(self) -> None:
+        """Forget the batch (after a failed run: the cache may be half-updated)."""
+        self._cache.clear()
+        self._rows = []
+
+    def _keep(self, ids: set[int]) -> None:
+        rows = [r for r, seq in enumerate(self._rows) if seq.id in ids]
+        self._cache.keep(rows)
+        self._rows = [self._rows[r] for r in rows]
+
+    def _decode(self) -> list[tuple[Sequence, int]]:
+        tokens = np.array([seq.next_input for seq in self._rows], np.int64)  # (B,)
+        logits, *present = self._session.run(None, self._cache.decode_feeds(tokens))  # (B, 1, V), (B, kv, W+1, hs)..
+        self._cache.advance(present)
+        return self._sample(self._rows, logits[:, -1])
+
+    def _prefill(self, seqs: tuple[Sequence, ...]) -> list[tuple[Sequence, int]]:
+        """One run for all the new prompts, right-aligned as the batch's rows are, with an empty past."""
+        now = time.perf_counter()
+        lengths = np.array([len(seq.prompt) for seq in seqs], np.int64)  # (n,)
+        width = int(lengths.max())
+        ids = np.full((len(seqs), width), self._pad_id, np.int64)  # (n, P)
+        mask = np.zeros((len(seqs), width), np.int64)  # (n, P)
+        for row, seq in enumerate(seqs):
+            seq.started = now
+            ids[row, width - len(seq.prompt) :] = seq.prompt
+            mask[row, width - len(seq.prompt) :] = 1
+        positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)  # (n, P): 0 from each prompt's first token
+        feeds = {INPUT_IDS: ids, ATTENTION_MASK: mask, POSITION_IDS: positions, **self._cache.empty_feeds(len(seqs))}
+        logits, *present = self._session.run(None, feeds)  # (n, P, V), (n, kv, P, hs) per layer
+        self._cache.join(present, lengths)
+        self._rows += seqs
+        return self._sample(seqs, logits[:, -1])  # the last column is every prompt's last token: right-aligned
+
+    @staticmethod
+    def _sample(seqs: list[Sequence] | tuple[Sequence, ...], logits: np.ndarray) -> list[tuple[Sequence, int]]:
+        """(n, V) logits of each sequence's last position -> each sequence with its next token."""
+        tokens = sample(logits, [s.params for s in seqs], [s.rng for s in seqs])  # (n,)
+        return list(zip(seqs, tokens.tolist(), strict=True))

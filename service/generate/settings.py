@@ -1,0 +1,65 @@
+"""How one generation engine runs: its KV budget, running and waiting limits, queue timeout and ORT threads, with the
+reasons for the defaults. No torch."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from contract.decoder_metadata import DecoderMetadata
+from service.generate.scheduler import Limits
+from service.runtime import SPINNING
+
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    # 64 MiB holds 4,096 tokens of the default decoder (d_model 512, 8 kv heads, 4 layers: 16 KiB a token): 32 full
+    # 128-token contexts, as many as max_running. On 2 cores, past 32 rows a step buys little more throughput (and
+    # none past 64) while every stream's tokens come further apart: a KV cache for more rows would only hold them.
+    kv_cache_mb: float = 64.0
+    kv_cache_tokens: int | None = None  # the budget in tokens instead (it wins over kv_cache_mb when set)
+    max_running: int = 32  # sequences in one decoding step whatever the budget: a step's batch size (see above)
+    max_waiting: int = 256  # sequences queued for room; one more is a 503 at once (the classifiers' queue bound)
+    queue_timeout_s: float = 30.0  # a queued sequence that has not started by then ends with a 503 (Retry-After)
+    threads: int = 2  # ORT intra-op threads: one run at a time, so every core of a 2-core node
+    backend: str = "auto"  # auto, cpu or gpu (service/runtime.py's provider choice)
+    spinning: str = "run"  # ORT threads spin only during a run: steps follow each other, but the loop must not starve
+
+    def __post_init__(self) -> None:
+        problems = []
+        for key in ("max_running", "max_waiting", "threads"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                problems.append(f"{key}={value!r} must be an integer >= 1")
+        if self.kv_cache_tokens is not None and (
+            isinstance(self.kv_cache_tokens, bool) or not isinstance(self.kv_cache_tokens, int)
+        ):
+            problems.append(f"kv_cache_tokens={self.kv_cache_tokens!r} must be an integer or None")
+        for key in ("kv_cache_mb", "queue_timeout_s"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+                problems.append(f"{key}={value!r} must be a number > 0")
+        if self.spinning not in SPINNING:
+            problems.append(f"spinning={self.spinning!r} is not one of {SPINNING}")
+        if problems:
+            raise ValueError("bad generation settings: " + "; ".join(problems))
+
+    def kv_budget_tokens(self, meta: DecoderMetadata) -> int:
+        """The budget in tokens for this model; ValueError when it cannot hold one full context (a request that fits
+        the context must always be able to run, alone)."""
+        if self.kv_cache_tokens is not None:
+            tokens, said = self.kv_cache_tokens, f"kv_cache_tokens={self.kv_cache_tokens}"
+        else:
+            tokens = int(self.kv_cache_mb * MIB // meta.kv_bytes_per_token)
+            said = f"kv_cache_mb={self.kv_cache_mb:g} ({tokens} tokens at {meta.kv_bytes_per_token} bytes a token)"
+        if tokens < meta.max_len:
+            raise ValueError(
+                f"model {meta.name!r}: {said} cannot hold one context of {meta.max_len} tokens; raise it to at least "
+                f"{math.ceil(meta.max_len * meta.kv_bytes_per_token / MIB)} MiB or {meta.max_len} tokens"
+            )
+        return tokens
+
+    def limits(self, meta: DecoderMetadata) -> Limits:
+        return Limits(self.kv_budget_tokens(meta), self.max_running, self.max_waiting, self.queue_timeout_s)

@@ -1,0 +1,407 @@
+"""The generation engine on tiny exported decoders (kv_heads 2 and 1): greedy text against a reference loop written
+here (numpy and onnxruntime, the whole sequence again at every step), requests joining a running batch mid-way, seeds,
+stop strings and finish reasons, typed errors, cancellation, admission within the KV budget, and drain."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+
+from contract.tokenizer import BOS_ID, EOS_ID, ByteTokenizer
+from export import decoder_export
+from export.decoder import DecoderConfig, DecoderLM
+from service.errors import (
+    BadRequestError,
+    ContextLengthError,
+    GenerationFailedError,
+    ModelFileError,
+    ModelQueueFullError,
+    NotReadyError,
+    OverCapacityError,
+    PromptError,
+    QueueTimeoutError,
+)
+from service.generate import (
+    GenerateRequest,
+    GenerationEngine,
+    GenerationSettings,
+    SamplingParams,
+    TokenEvent,
+    load_decoder,
+)
+
+KV_HEADS = [2, 1]
+HEADS, LAYERS, D_MODEL = 4, 2, 32
+MAX_LEN = 256  # long enough that a sequence outlives the test's reaction to its first tokens by hundreds of steps
+TIMEOUT_S = 20.0  # each test's asyncio bound
+PROMPTS = ["", "def f(x):", "The quick brown fox jumps over the lazy dog. " * 2]
+
+
+def _model(kv: int) -> DecoderLM:
+    torch.manual_seed(100 + kv)
+    model = DecoderLM(DecoderConfig(d_model=D_MODEL, heads=HEADS, kv_heads=kv, layers=LAYERS, max_len=MAX_LEN))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(4.0)  # init std 0.02 makes every logit nearly equal; spread them so greedy choices mean something
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def models_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("decoders")
+    for kv in KV_HEADS:
+        model = _model(kv)
+        decoder_export.export_decoder(model, model.config.metadata(), out)
+    return out
+
+
+def _name(kv: int) -> str:
+    return f"lm-h{HEADS}-kv{kv}-d{D_MODEL}"
+
+
+@contextlib.contextmanager
+def _engine(models_dir: Path, kv: int = 2, **settings) -> Iterator[GenerationEngine]:
+    engine = GenerationEngine.open(models_dir, _name(kv), GenerationSettings(threads=1, **settings))
+    try:
+        yield engine
+    finally:
+        engine.close()
+
+
+def _run(coro):
+    return asyncio.run(asyncio.wait_for(coro, TIMEOUT_S))
+
+
+async def _collect(engine: GenerationEngine, request: GenerateRequest) -> list[TokenEvent]:
+    return [event async for event in engine.generate(request)]
+
+
+def _ids(events: list[TokenEvent]) -> list[int]:
+    return [i for e in events for i in e.token_ids]
+
+
+def _text(events: list[TokenEvent]) -> str:
+    return "".join(e.text for e in events)
+
+
+def _greedy(max_tokens: int, **more) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, **more)
+
+
+def _reference_greedy(folder: Path, kv: int, prompt: list[int], steps: int) -> list[int]:
+    """The whole sequence again at every step, past always empty: no cache, no batch, nothing shared."""
+    session = ort.InferenceSession(str(folder / "model.onnx"), providers=["CPUExecutionProvider"])
+    empty = np.zeros((1, kv, 0, D_MODEL // HEADS), np.float32)
+    past = {f"past_key_values.{i}.{kind}": empty for i in range(LAYERS) for kind in ("key", "value")}
+    ids = list(prompt)
+    for _ in range(steps):
+        x = np.array([ids], np.int64)  # (1, T)
+        feeds = {"input_ids": x, "attention_mask": np.ones_like(x), "position_ids": np.arange(x.shape[1])[None, :]}
+        logits = session.run(["logits"], {**feeds, **past})[0]  # (1, T, V)
+        ids.append(int(logits[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+@pytest.mark.parametrize("kv", KV_HEADS)
+def test_greedy_tokens_and_text_equal_a_reference_loop_without_cache(models_dir, kv):
+    tokenizer = ByteTokenizer(MAX_LEN)
+    prompts = [tokenizer.encode(p) for p in PROMPTS] + [[BOS_ID, *range(40, 40 + 100)]]  # 1, 10, 91, 101 tokens
+    with _engine(models_dir, kv) as engine:
+        for prompt in prompts:
+            want = _reference_greedy(models_dir / _name(kv), kv, prompt, 24)
+            events = _run(_collect(engine, GenerateRequest(prompt, _greedy(24))))
+            assert _ids(events) == want, f"prompt of {len(prompt)} tokens"
+            assert _text(events) == tokenizer.decode(want)
+            assert len(set(want)) > 2  # not one token repeated: the comparison means something
+        text_events = _run(_collect(engine, GenerateRequest(PROMPTS[1], _greedy(24))))
+        assert _ids(text_events) == _reference_greedy(models_dir / _name(kv), kv, prompts[1], 24)  # BOS prepended
+        last = text_events[-1]
+        assert (last.finish_reason, last.usage.prompt_tokens, last.usage.completion_tokens) == ("length", 10, 24)
+        assert 0 < last.timing.first_token_s <= last.timing.total_s
+        assert [e.step for e in text_events] == list(range(text_events[0].step, text_events[0].step + 24))
+
+
+async def _staggered(engine: GenerationEngine, requests: list[GenerateRequest]) -> list[list[TokenEvent]]:
+    """Each request submitted once the one before has its first two tokens, while it still runs."""
+    streams, firsts = [], []
+    for request in requests:
+        stream = engine.submit(request)
+        firsts.append([await anext(stream), await anext(stream)])
+        streams.append(stream)
+
+    async def rest(stream, first):
+        return first + [event async for event in stream]
+
+    return await asyncio.gather(*(rest(s, f) for s, f in zip(streams, firsts, strict=True)))
+
+
+@pytest.mark.parametrize("kv", KV_HEADS)
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_requests_joining_a_running_batch_mid_way_generate_what_they_generate_alone(models_dir, kv, sampling):
+    def params(i: int) -> SamplingParams:
+        if sampling == "greedy":
+            return _greedy(150 - 30 * i)
+        return SamplingParams(max_tokens=150 - 30 * i, temperature=0.8, top_k=40, top_p=0.95, seed=i, ignore_eos=True)
+
+    requests = [GenerateRequest(p, params(i)) for i, p in enumerate([*PROMPTS, "x"])]
+    with _engine(models_dir, kv) as engine:
+        alone = [_run(_collect(engine, r)) for r in requests]
+        together = _run(_staggered(engine, requests))
+    for i, (a, t) in enumerate(zip(alone, together, strict=True)):
+        assert _ids(t) == _ids(a), f"request {i}"
+        assert _text(t) == _text(a)
+    joined = [together[i + 1][0].step < together[i][-1].step for i in range(len(requests) - 1)]
+    assert all(joined), f"each request started while the one before was running: {joined}"
+
+
+def test_a_seed_gives_the_same_text_alone_and_batched_and_different_seeds_differ(models_dir):
+    def request(seed: int | None, temperature: float = 1.0) -> GenerateRequest:
+        return GenerateRequest("Once", SamplingParams(max_tokens=48, temperature=temperature, seed=seed, top_p=0.9))
+
+    async def batched() -> list[TokenEvent]:
+        others = [request(None), request(1, 0.0), *[request(seed) for seed in range(100, 106)]]
+        results = await asyncio.gather(*(_collect(engine, r) for r in [*others[:4], request(7), *others[4:]]))
+        return results[4]
+
+    with _engine(models_dir) as engine:
+        alone = _run(_collect(engine, request(7)))
+        assert _text(_run(batched())) == _text(alone) and len(_ids(alone)) > 8
+        assert _ids(_run(_collect(engine, request(8)))) != _ids(alone)
+
+
+def test_a_stop_string_spanning_two_tokens_ends_the_text_before_it_and_is_not_returned(models_dir):
+    printable = range(32 + 4, 127 + 4)  # ids of printable ASCII bytes: one character each
+    with _engine(models_dir) as engine:
+        for seed in range(20):
+            params = SamplingParams(max_tokens=60, temperature=1.0, seed=seed, ignore_eos=True)
+            full = _run(_collect(engine, GenerateRequest("Stop", params)))
+            ids = _ids(full)
+            pairs = [j for j in range(2, len(ids) - 1) if ids[j] in printable and ids[j + 1] in printable]
+            if pairs:
+                break
+        else:
+            pytest.fail("no two printable ASCII tokens in a row in 20 seeded generations")
+        j = pairs[0]
+        stop = chr(ids[j] - 4) + chr(ids[j + 1] - 4)
+        text = _text(full)
+        stopped = _run(_collect(engine, GenerateRequest("Stop", dataclasses.replace(params, stop=(stop,)))))
+    assert _text(stopped) == text[: text.index(stop)]
+    assert stop not in _text(stopped)
+    last = stopped[-1]
+    assert last.finish_reason == "stop" and last.usage.completion_tokens <= j + 2
+    assert _ids(stopped) == ids[: last.usage.completion_tokens]  # the stop string's tokens counted, not its text
+
+
+def test_finish_reasons_length_and_eos_and_ignore_eos_goes_past_eos(models_dir):
+    # An EOS found rather than assumed: 64 near-uniform sampled sequences of 63 tokens hold one with ~1 - e^-15.
+    def params(seed: int, ignore_eos: bool) -> SamplingParams:
+        return SamplingParams(max_tokens=63, temperature=50.0, seed=seed, ignore_eos=ignore_eos)
+
+    async def search(engine) -> list[list[TokenEvent]]:
+        return await asyncio.gather(*(_collect(engine, GenerateRequest([BOS_ID], params(s, True))) for s in range(64)))
+
+    with _engine(models_dir, max_running=64) as engine:
+        runs = _run(search(engine))
+        assert all(r[-1].finish_reason == "length" and r[-1].usage.completion_tokens == 63 for r in runs)
+        seeds = [s for s, r in enumerate(runs) if EOS_ID in _ids(r)]
+        assert seeds, "no EOS in 64 near-uniform sampled sequences"
+        ids = _ids(runs[seeds[0]])
+        at = ids.index(EOS_ID)
+        ended = _run(_collect(engine, GenerateRequest([BOS_ID], params(seeds[0], False))))
+    assert ended[-1].finish_reason == "eos"
+    assert _ids(ended) == ids[: at + 1] and ended[-1].usage.completion_tokens == at + 1
+    assert _text(ended) == ByteTokenizer(MAX_LEN).decode(ids[:at])
+
+
+def test_prompt_and_max_tokens_over_the_context_is_a_400_naming_both_numbers(models_dir):
+    with _engine(models_dir) as engine:
+
+        async def submit(prompt, max_tokens):
+            engine.submit(GenerateRequest(prompt, SamplingParams(max_tokens=max_tokens)))
+
+        with pytest.raises(ContextLengthError) as err:
+            _run(submit([BOS_ID] * 200, 57))
+        assert err.value.status == 400 and isinstance(err.value, BadRequestError)
+        assert "200 tokens + max_tokens 57 = 257" in str(err.value) and "context length of 256" in str(err.value)
+        with pytest.raises(ContextLengthError, match="251 tokens \\+ max_tokens 6 = 257"):
+            _run(submit("y" * 250, 6))  # BOS + 250 bytes
+        _run(submit([BOS_ID] * 200, 56))  # exactly the context: accepted
+        bad = [([], "empty"), ([BOS_ID, 260], "260 is outside"), ([-1], "-1 is outside"), (b"ab", "not bytes")]
+        for prompt, said in bad:
+            with pytest.raises(PromptError, match=said) as err:
+                _run(submit(prompt, 4))
+            assert err.value.status == 400
+
+
+async def _first_tokens(stream, n: int) -> list[TokenEvent]:
+    return [await anext(stream) for _ in range(n)]
+
+
+def test_a_cancelled_stream_leaves_the_batch_and_frees_its_kv_within_one_step_and_others_go_on(models_dir):
+    long = _greedy(240)
+    with _engine(models_dir) as engine:
+        alone = _run(_collect(engine, GenerateRequest("b", long)))
+
+        async def scenario():
+            a, b = engine.submit(GenerateRequest("a", long)), engine.submit(GenerateRequest("b", long))
+            await _first_tokens(a, 3)
+            a.cancel()
+            cancelled_at = engine.state().steps  # the step in flight, if any, still has it; the next one has not
+            seen, events = None, []
+            async for event in b:
+                events.append(event)
+                if event.step == cancelled_at + 1:
+                    seen = engine.state()
+            return seen, events
+
+        seen, events = _run(scenario())
+    assert seen is not None, "the other stream ran past the step after the cancellation"
+    assert (seen.running, seen.kv_reserved_tokens) == (1, 2 + 240)
+    assert _ids(events) == _ids(alone) and events[-1].finish_reason == "length"
+    assert engine.state().kv_reserved_tokens == 0
+
+
+@pytest.mark.parametrize("how", ["breaks out of its loop", "has its task cancelled"])
+def test_a_consumer_that_goes_away_frees_its_sequence(models_dir, how):
+    with _engine(models_dir) as engine:
+
+        async def consume(third: asyncio.Event) -> None:
+            count = 0
+            async for _ in engine.generate(GenerateRequest("a", _greedy(240))):  # 2 + 240 tokens reserved
+                count += 1
+                third.set() if count == 3 else None
+                if count == 3 and how == "breaks out of its loop":
+                    break
+
+        async def scenario():
+            other = asyncio.create_task(_collect(engine, GenerateRequest("bb", _greedy(240))))  # 3 + 240
+            third = asyncio.Event()
+            task = asyncio.create_task(consume(third))
+            await third.wait()
+            if how == "has its task cancelled":
+                task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            while (engine.state().running, engine.state().kv_reserved_tokens) != (1, 243):
+                await asyncio.sleep(0.001)
+            freed_while_the_other_ran = not other.done()
+            return freed_while_the_other_ran, await other
+
+        freed_while_the_other_ran, events = _run(scenario())
+    assert freed_while_the_other_ran and events[-1].usage.completion_tokens == 240
+
+
+def test_a_second_sequence_waits_for_kv_room_until_the_first_leaves(models_dir):
+    with _engine(models_dir, kv_cache_tokens=MAX_LEN) as engine:  # room for one context only
+
+        async def both():
+            return await asyncio.gather(
+                _collect(engine, GenerateRequest("first", _greedy(150))),
+                _collect(engine, GenerateRequest("second", _greedy(150))),
+            )
+
+        first, second = _run(both())
+    assert second[0].step > first[-1].step  # admitted only once the first had left
+    assert second[-1].timing.queued_s > 0 and second[-1].usage.completion_tokens == 150
+
+
+def test_past_max_waiting_the_answer_is_a_503_at_once(models_dir):
+    with _engine(models_dir, kv_cache_tokens=MAX_LEN, max_waiting=1) as engine:
+
+        async def scenario():
+            first = engine.submit(GenerateRequest("first", _greedy(200)))
+            await anext(first)  # running, and holding the whole budget for ~200 steps
+            second = engine.submit(GenerateRequest("second", _greedy(200)))  # waits
+            with pytest.raises(ModelQueueFullError) as err:
+                engine.submit(GenerateRequest("third", _greedy(4)))
+            assert engine.state().waiting == 1
+            await first.aclose()
+            return err.value, [e async for e in second]
+
+        error, events = _run(scenario())
+    assert error.status == 503 and error.headers() == {"Retry-After": "1"}
+    assert isinstance(error, OverCapacityError) and "over capacity" in str(error)
+    assert events[-1].finish_reason == "length"
+
+
+def test_past_queue_timeout_the_waiting_sequence_ends_with_a_503(models_dir):
+    with _engine(models_dir, kv_cache_tokens=MAX_LEN, queue_timeout_s=0.005) as engine:
+
+        async def scenario():
+            first = engine.submit(GenerateRequest("first", _greedy(240)))  # admitted at once, however late
+            second = engine.submit(GenerateRequest("second", _greedy(200)))
+            with pytest.raises(QueueTimeoutError) as err:
+                await anext(second)
+            return err.value, [e async for e in first]
+
+        error, events = _run(scenario())
+    assert error.status == 503 and "Retry-After" in error.headers() and "queue_timeout_s 0.005" in str(error)
+    assert events[-1].usage.completion_tokens == 240
+    assert engine.state().waiting == 0
+
+
+def test_drain_refuses_new_requests_and_lets_running_ones_finish(models_dir):
+    with _engine(models_dir) as engine:
+
+        async def scenario():
+            streams = [engine.submit(GenerateRequest(p, _greedy(150))) for p in ("one", "two")]
+            firsts = [await anext(s) for s in streams]
+            drained = asyncio.create_task(engine.drain(grace_s=TIMEOUT_S))
+            await asyncio.sleep(0)
+            with pytest.raises(NotReadyError) as err:
+                engine.submit(GenerateRequest("late", _greedy(4)))
+            results = [[f, *[e async for e in s]] for f, s in zip(firsts, streams, strict=True)]
+            await drained
+            return err.value, results
+
+        error, results = _run(scenario())
+        assert engine.state().draining
+    assert error.status == 503 and "shutting down" in str(error)
+    assert [r[-1].finish_reason for r in results] == ["length", "length"]
+    assert [r[-1].usage.completion_tokens for r in results] == [150, 150]
+
+
+def test_drain_past_its_grace_ends_running_and_waiting_sequences_with_abort(models_dir):
+    with _engine(models_dir, kv_cache_tokens=MAX_LEN) as engine:
+
+        async def scenario():
+            running = engine.submit(GenerateRequest("one", _greedy(200)))
+            waiting = engine.submit(GenerateRequest("two", _greedy(200)))  # no room until the first leaves
+            first = await anext(running)
+            await engine.drain(grace_s=0.0)
+            return [first, *[e async for e in running]], [e async for e in waiting]
+
+        running, waiting = _run(scenario())
+    assert running[-1].finish_reason == "abort" and 1 <= running[-1].usage.completion_tokens < 200
+    assert waiting == [waiting[-1]] and waiting[-1].finish_reason == "abort" and waiting[-1].token_ids == ()
+    assert waiting[-1].usage.completion_tokens == 0 and waiting[-1].timing.first_token_s == 0
+
+
+def test_a_folder_that_is_not_a_decoder_is_refused_saying_why(models_dir, tiny_models_dir):
+    with pytest.raises(ModelFileError, match=r"lm-none/model\.onnx is missing"):
+        GenerationEngine.open(models_dir, "lm-none", GenerationSettings())
+    with pytest.raises(ModelFileError, match="expected 'decoder'"):
+        GenerationEngine.open(tiny_models_dir, "mha-h2-d32", GenerationSettings())
+
+
+def test_a_failing_step_ends_its_sequences_with_a_500_and_the_engine_goes_on(models_dir):
+    # A runtime whose metadata says 2 kv heads over the graph of 1: ONNX Runtime refuses the past's shape.
+    good = load_decoder(models_dir, _name(2), "cpu", 1)
+    wrong = dataclasses.replace(load_decoder(models_dir, _name(1), "cpu", 1), meta=good.meta)
+    engine = GenerationEngine(wrong, GenerationSettings(threads=1))
+    try:
+        for _ in range(2):
+            with pytest.raises(GenerationFailedError, match="a decoding step failed") as err:
+                _run(_collect(engine, GenerateRequest("x", _greedy(4))))
+            assert err.value.status == 500
+        assert engine.state().running == 0 and engine.state().kv_reserved_tokens == 0
+    finally:
+        engine.close()
