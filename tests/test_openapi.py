@@ -1,7 +1,8 @@
-"""The OpenAPI document (built in-process, as the ingress serves it): every $ref resolves, every status the service
-answers is documented with the one error body, answers have schemas, no 422; the request bodies' schemas state the
-served models' limits (tightest across models) and what the service refuses; the binary tensor data extension is
-described. Schemathesis runs over the served document in test_reliability.py."""
+"""The OpenAPI document (built in-process, as the ingress serves it, the model repository API on): every $ref
+resolves, every status the service answers is documented with the one error body, answers have schemas, no 422; the
+request bodies' schemas state the served models' limits (tightest across models) and what the service refuses, the
+repository's bodies included; the binary tensor data extension is described. Schemathesis runs over the served
+document in test_reliability.py."""
 
 from __future__ import annotations
 

@@ -4,7 +4,10 @@ unloaded by none; requests for the other models all succeed meanwhile; the token
 route's target cannot be unloaded (409); SIGHUP loads what was added to the models folder and unloads what left.
 And `optimize --rollout shadow` through it (optimize/rollout.py), a route under steady load: a candidate that agrees
 with the incumbent goes shadow -> 50 % -> 100 % and answers the route; one that does not is rolled back at its
-shadow step, the route set back as it was; no request fails either way."""
+shadow step, the route set back as it was; no request fails either way. Its bodies are held to the service's
+limits (413 chunked or not, 408 past the deadline, with or without the token) and to their documented shapes (400
+naming the field, never a 5xx); the served document is whole (every $ref resolves, a 405's Allow lists every method
+of the path)."""
 
 from __future__ import annotations
 
