@@ -141,7 +141,9 @@ class MultiHeadAttention(nn.Module):
         q, k, v = self._project(x)  # (B, h, T, hs), 2 x (B, kv, T, hs)
         k = torch.cat([past_key, k], dim=2)  # (B, kv, P+T, hs)
         v = torch.cat([past_value, v], dim=2)  # (B, kv, P+T, hs)
-        y = F.scaled_dot_product_attention(q, self._repeat_kv(k), self._repeat_kv(v), attn_mask=mask)  # (B, h, T, hs)
+        # enable_gqa: query head i reads key/value head i // (h // kv), as _repeat_kv spells out; exported at opset
+        # 23 as one ONNX Attention node that takes the kv heads as they are (no repeated copy of the cache)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.kv_heads != self.h)  # (B, h, T, hs)
         y = y.transpose(1, 2).reshape(B, T, self.inner_dim)  # (B, T, h*hs)
         return self.out(y), k, v
 

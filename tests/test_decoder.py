@@ -63,6 +63,12 @@ def test_grouped_heads_equal_full_heads_whose_keys_and_values_are_copied_per_gro
         full.out.load_state_dict(grouped.out.state_dict())
         x, mask = _inputs()
         torch.testing.assert_close(grouped(x, mask)[0], full(x, mask)[0], atol=1e-6, rtol=1e-5)
+        B, T, _ = x.shape
+        past_grouped, past_full = torch.zeros(B, kv, 0, hs), torch.zeros(B, h, 0, hs)  # the decoder's path: SDPA's GQA
+        out_grouped, key, _ = grouped.forward_cached(x, cache_mask(mask, T), past_grouped, past_grouped)
+        out_full, full_key, _ = full.forward_cached(x, cache_mask(mask, T), past_full, past_full)
+        torch.testing.assert_close(out_grouped, out_full, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(key.repeat_interleave(group, dim=1), full_key)
 
 
 @pytest.mark.parametrize(("h", "kv"), HEAD_PAIRS)
