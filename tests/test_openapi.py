@@ -16,7 +16,9 @@ from contract.metadata import ModelMetadata
 from service.config import ROUTE_NAME, RequestLimits
 from service.http.api import create_app
 from service.http.api import document as build_document
+from service.http.repository import TOKEN_SCHEME
 from service.protocol import binary
+from service.repository_settings import RepositorySettings
 from service.validation import Bounds
 
 ERROR = {"$ref": "#/components/schemas/ErrorBody"}
@@ -38,7 +40,8 @@ def document() -> dict:
     on: its routes, the names served and the models' limits."""
     names = [SMALL.name, WIDE.name]
     plane = SimpleNamespace(limits=LIMITS, model_names=names, metrics=None)
-    app = create_app(plane, SimpleNamespace(enabled=True))  # the repository is reached only by requests
+    repository = SimpleNamespace(enabled=True, header=RepositorySettings().header)  # reached only by requests
+    app = create_app(plane, repository)
     return build_document(app, names, Bounds.of(LIMITS.max_rows, [SMALL, WIDE]), [ROUTE])
 
 
@@ -216,6 +219,13 @@ def test_the_binary_tensor_data_extension_is_described_on_v2_infer(document):
     assert not valid(document, "InferRequestHeader", {"inputs": [sized | {"data": ["a"]}]})
     assert not valid(document, "InferRequestHeader", text_input(shape=[1]))
     assert valid(document, "InferRequestHeader", text_input(shape=[1], data=["a"]))
+
+
+def test_the_repository_operations_and_only_they_ask_for_the_token(document):
+    scheme = document["components"]["securitySchemes"][TOKEN_SCHEME]
+    assert scheme == scheme | {"type": "apiKey", "in": "header", "name": RepositorySettings().header}
+    for name, operation in operations(document):
+        assert operation.get("security") == ([{TOKEN_SCHEME: []}] if name in REPOSITORY else None), name
 
 
 @pytest.mark.parametrize(

@@ -12,8 +12,9 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Annotated
 
-from fastapi import FastAPI, Path, Request
+from fastapi import FastAPI, Path, Request, Security
 from fastapi.responses import Response
+from fastapi.security import APIKeyHeader
 
 from service import openapi
 from service.config import ROUTE_NAME, Route
@@ -35,18 +36,24 @@ from service.responses import json_response
 
 logger = logging.getLogger(__name__)
 PREFIX = "/v2/repository/"
+TOKEN_SCHEME = "repositoryToken"  # the document's name for the token's security scheme
+TOKEN_DOC = "The model repository API's token (the operator's $MHA_REPOSITORY_TOKEN)."
 # Documented, not checked here: the token is checked first, and the route table then refuses a bad name (400)
 RouteName = Annotated[str, Path(description="the route's name", json_schema_extra={"pattern": ROUTE_NAME})]
 
 
 def add_routes(app: FastAPI, repository: Repository, metrics: IngressMetrics, limits: RequestLimits) -> None:
     changed = openapi.responses(RepositoryChanged, 400, 401, 404, 409, *openapi.WITH_BODY)
+    # The token as the document's security scheme (Swagger UI asks for it once); checked by _counted, not here
+    token = APIKeyHeader(name=repository.header, scheme_name=TOKEN_SCHEME, description=TOKEN_DOC, auto_error=False)
+    secured = [Security(token)]
 
     def counted(action: str, name: str, request: Request) -> contextlib.AbstractAsyncContextManager[bytes]:
         return _counted(repository, metrics, limits, action, name, request)
 
     @app.post(
         "/v2/repository/index",
+        dependencies=secured,
         openapi_extra=openapi.request_body(RepositoryIndexRequest, required=False),
         responses=openapi.responses(RepositoryIndex, 401, *openapi.WITH_BODY),
     )
@@ -59,6 +66,7 @@ def add_routes(app: FastAPI, repository: Repository, metrics: IngressMetrics, li
 
     @app.post(
         "/v2/repository/models/{model}/load",
+        dependencies=secured,
         openapi_extra=openapi.request_body(RepositoryLoadRequest, required=False),
         responses=changed,
     )
@@ -71,6 +79,7 @@ def add_routes(app: FastAPI, repository: Repository, metrics: IngressMetrics, li
 
     @app.post(
         "/v2/repository/models/{model}/unload",
+        dependencies=secured,
         openapi_extra=openapi.request_body(RepositoryUnloadRequest, required=False),
         responses=changed,
     )
@@ -83,6 +92,7 @@ def add_routes(app: FastAPI, repository: Repository, metrics: IngressMetrics, li
 
     @app.put(
         "/v2/repository/routes/{route}",
+        dependencies=secured,
         openapi_extra=openapi.request_body(Route),
         responses=openapi.responses(RepositoryChanged, 400, 401, *openapi.WITH_BODY),
     )
@@ -92,7 +102,11 @@ def add_routes(app: FastAPI, repository: Repository, metrics: IngressMetrics, li
             await repository.set_route(route, _parsed(raw, Route))
             return json_response({})
 
-    @app.delete("/v2/repository/routes/{route}", responses=openapi.responses(RepositoryChanged, 400, 401, 404, 408))
+    @app.delete(
+        "/v2/repository/routes/{route}",
+        dependencies=secured,
+        responses=openapi.responses(RepositoryChanged, 400, 401, 404, 408),
+    )
     async def remove_route(route: RouteName, request: Request) -> Response:
         """Remove one route in every serving process (a body, if any, is read within the limits and ignored)."""
         async with counted("route", route, request):
