@@ -10,7 +10,7 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from service.errors import GenerationFailedError, PromptError, QueueTimeoutError
+from service.errors import GenerationFailedError, QueueTimeoutError, SamplingParamsError
 from service.generate.output import CANCELLED, TextOutput
 from service.generate.request import GenerateRequest, TokenEvent
 from service.generate.runner import StepRunner
@@ -46,11 +46,14 @@ class GenerationEngine:
         return cls(runtime, settings)
 
     def submit(self, request: GenerateRequest) -> TokenStream:
-        """Queue `request` and return its stream at once; raises before anything is queued: PromptError or
-        ContextLengthError (400), ModelQueueFullError (503, Retry-After), NotReadyError (503: draining or closed)."""
+        """Queue `request` and return its stream at once. Raises, with nothing queued: PromptError, ContextLengthError,
+        SamplingParamsError (400); ModelQueueFullError (503, Retry-After); NotReadyError (503: draining or closed).
+        Call it on the event loop that will read the stream."""
         prompt = request.token_ids(self.meta)
         if request.params.stop and not self.meta.takes_text:
-            raise PromptError(f"model {self.name!r} has no text (tokenizer {self.meta.tokenizer!r}): stop strings")
+            raise SamplingParamsError(
+                f"stop strings cannot be found: model {self.name!r} makes token ids, no text ({self.meta.tokenizer!r})"
+            )
         output = TextOutput(request.params, self.meta.eos_id, self.meta.takes_text)
         seq = Sequence(prompt, request.params, output, asyncio.Queue())
         self._scheduler.add(seq)
