@@ -2,15 +2,19 @@
 real uvicorn on loopback: a body over the limit is answered 413 only once the client has sent it all (HAProxy, in
 front of the replicas' own servers on a cluster, closes a connection once its answer is out, and a client still
 sending then gets a broken pipe); a client waiting on `Expect: 100-continue` is answered at once; a client that
-stops sending is answered after LINGER_S. The same through HAProxy itself: tests/test_deploy_cluster.py."""
+stops sending is answered after LINGER_S; and a 64 MiB chunked body through the real Serve proxy. The same through
+HAProxy itself: tests/test_deploy_cluster.py."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import time
 
+import pytest
 import uvicorn
+from serving import serve_command
 
 from service.http.limits import proxy_middlewares
 from service.http.uvicorn_adapter import LINGER_S
@@ -104,3 +108,27 @@ def test_a_client_that_stops_sending_its_body_is_answered_after_the_linger():
     early, took_s = asyncio.run(scenario())
     assert early.startswith(b"HTTP/1.1 413"), early
     assert took_s >= LINGER_S * 0.9, took_s  # held for the body meanwhile, not answered at once
+
+
+@pytest.mark.serve
+@pytest.mark.slow
+def test_a_64_mib_chunked_body_through_serves_proxy_is_sent_whole_and_answered_with_a_readable_413(
+    tiny_models_dir, tmp_path
+):
+    """The real `mha-serving serve --proxy`: Serve's HTTP proxy with these middlewares in front of the ingress."""
+    port, metrics_port = free_port(), free_port()
+    args = ["--models", str(tiny_models_dir), "--proxy", "--port", str(port), "--grpc-port", "0"]
+    log = tmp_path / "log"
+    with (
+        serve_command([*args, "--metrics-port", str(metrics_port), "--num-cpus", "2"], log),
+        socket.create_connection(("127.0.0.1", port), timeout=30) as sock,
+    ):
+        sock.sendall(_post(None).replace(b"/v2/models/m/", b"/v2/models/mha-h2-d32/"))
+        chunk = b"%x\r\n%s\r\n" % (65536, b"x" * 65536)
+        for _ in range(1024):  # 64 MiB, all sent before reading, as Python's http.client sends a body
+            sock.sendall(chunk)
+        sock.sendall(b"0\r\n\r\n")
+        answer = b""
+        while data := sock.recv(65536):
+            answer += data
+    assert answer.startswith(b"HTTP/1.1 413") and b"over the limit of %d bytes" % MAX_BODY_BYTES in answer, answer
