@@ -15,8 +15,9 @@ import signal
 import time
 
 from service.config import RequestLimits
+from service.http.coalesced_writes import CoalescedWrites
 from service.http.server import HttpServer
-from service.http.uvicorn_adapter import STOP_IDLE_S, CoalescedWrites
+from service.http.uvicorn_adapter import STOP_IDLE_S
 from service.local.ports import free_port
 
 LIMITS = RequestLimits(max_header_bytes=1024, max_headers=8, max_body_bytes=1024)

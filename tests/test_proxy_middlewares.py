@@ -16,8 +16,8 @@ import pytest
 import uvicorn
 from serving import serve_command
 
+from service.http.coalesced_writes import LINGER_S
 from service.http.limits import proxy_middlewares
-from service.http.uvicorn_adapter import LINGER_S
 from service.limits import MAX_BODY_BYTES
 from service.local.ports import free_port
 

@@ -16,7 +16,8 @@ from starlette.requests import Request
 from service import limits as check
 from service.config import RequestLimits
 from service.errors import ServiceError
-from service.http.uvicorn_adapter import HEAD_CHECKED, LINGER_S
+from service.http.coalesced_writes import LINGER_S
+from service.http.uvicorn_adapter import HEAD_CHECKED
 from service.responses import error_response
 
 
