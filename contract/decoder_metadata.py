@@ -40,7 +40,17 @@ _INT_KEYS = (
     "eos_id",
     "pad_id",
 )
-_OPTIONAL_KEYS = ("tokenizer", "ff_dim", "task", "exporter", "attention_kernel", "precision")
+_OPTIONAL_KEYS = (
+    "tokenizer",
+    "ff_dim",
+    "task",
+    "exporter",
+    "attention_kernel",
+    "precision",
+    "quantized_from",
+    "quantization",
+)
+_JSON_KEYS = ("exporter", "quantization")  # stored as JSON in metadata_props
 
 
 @dataclass(frozen=True)
@@ -64,7 +74,9 @@ class DecoderMetadata:
     task: str = ""  # the corpus it was trained on ("docs-lm"); "": untrained
     exporter: dict[str, str] = field(default_factory=dict)  # versions: torch, onnx, opset, mha_serving
     attention_kernel: str = ""  # what runs attention in the graph; "": not recorded
-    precision: str = "fp32"
+    precision: str = "fp32"  # one of PRECISIONS
+    quantized_from: str = ""  # the fp32 decoder this int8 or fp16 one was made from; "": none (an fp32 export)
+    quantization: dict[str, object] = field(default_factory=dict)  # how it was made and its gate's figures
 
     def __post_init__(self) -> None:
         problems = []
@@ -85,6 +97,8 @@ class DecoderMetadata:
             problems.append(f"name={self.name!r} is not a valid model name")
         if self.precision not in PRECISIONS:
             problems.append(f"precision={self.precision!r} is not one of {PRECISIONS}")
+        elif (self.precision == "fp32") == bool(self.quantized_from):
+            problems.append(f"precision={self.precision!r} with quantized_from={self.quantized_from!r}")
         if problems:
             raise MetadataError("inconsistent decoder metadata: " + "; ".join(problems))
 
@@ -122,7 +136,7 @@ class DecoderMetadata:
         props = {"mha_serving.schema": SCHEMA_VERSION, ARCH_KEY: self.arch}
         for f in fields(self):
             value = getattr(self, f.name)
-            props[f.name] = json.dumps(dict(value), sort_keys=True) if f.name == "exporter" else str(value)
+            props[f.name] = json.dumps(dict(value), sort_keys=True) if f.name in _JSON_KEYS else str(value)
         return props
 
     @classmethod
@@ -141,6 +155,8 @@ class DecoderMetadata:
             try:
                 if f.name == "exporter":
                     values[f.name] = {str(k): str(v) for k, v in json.loads(raw).items()}
+                elif f.name == "quantization":
+                    values[f.name] = dict(json.loads(raw))
                 elif f.name in _INT_KEYS or f.name == "ff_dim":
                     values[f.name] = int(raw)
                 else:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import onnx
 
-from contract.decoder_metadata import DecoderMetadata
+from contract.decoder_metadata import DecoderMetadata, metadata_from_props
 from contract.metadata import MetadataError, ModelMetadata
 
 EXTERNAL_DATA_THRESHOLD = 1 << 30  # 1 GiB: larger models keep weights in model.onnx.data (protobuf caps at 2 GiB)
@@ -29,9 +29,18 @@ def save(model: onnx.ModelProto, meta: ModelMetadata | DecoderMetadata, path: Pa
 
 
 def read_metadata(path: Path) -> ModelMetadata:
-    """The metadata of an exported model file, without loading its weights; MetadataError says what is wrong."""
+    """The metadata of an exported classifier file, without loading its weights; MetadataError says what is wrong."""
+    return ModelMetadata.from_props(_props(path))
+
+
+def read_any_metadata(path: Path) -> ModelMetadata | DecoderMetadata:
+    """The metadata of either kind of model file (a classifier or a decoder, by its `arch`)."""
+    return metadata_from_props(_props(path))
+
+
+def _props(path: Path) -> dict[str, str]:
     try:
         model = onnx.load(str(path), load_external_data=False)
     except Exception as exc:  # protobuf's DecodeError and friends
         raise MetadataError(f"{path.name} is not a readable ONNX file: {exc}") from exc
-    return ModelMetadata.from_props({p.key: p.value for p in model.metadata_props})
+    return {p.key: p.value for p in model.metadata_props}

@@ -5,7 +5,7 @@ The gate compares the variant with its fp32 source on the same inputs. A trained
 data: accuracy within a tolerance of fp32's, and argmax agreement. Any other model runs on generated inputs: its
 largest logit difference against the spread of its fp32 logits (an untrained model's classes are near ties, so a
 difference far below the spread still flips some argmaxes: agreement is reported, not gated). Torch-free: both
-models run in ONNX Runtime.
+models run in ONNX Runtime. A decoder's variants and their gate: export/decoder_quantize.py.
 """
 
 from __future__ import annotations
@@ -274,16 +274,28 @@ def _converting(src: Path, precision: str):
         root.setLevel(level)
 
 
-def to_int8(src: Path, dst: Path, mode: str, plan: Int8Plan, calibration: GateData | None = None) -> dict[str, object]:
-    """Quantize `src` into `dst` with ONNX Runtime's quantizer; returns the method as recorded in the metadata."""
+def to_int8(
+    src: Path,
+    dst: Path,
+    mode: str,
+    plan: Int8Plan,
+    calibration: GateData | None = None,
+    op_types: list[str] | None = None,
+) -> dict[str, object]:
+    """Quantize `src` into `dst` with ONNX Runtime's quantizer (`op_types`: only those operators; None: every one it
+    knows); returns the method as recorded in the metadata."""
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
 
     weight_type = QuantType.QInt8 if plan.weights == "s8" else QuantType.QUInt8
     method = {"tool": f"onnxruntime.quantization {ort.__version__}", "mode": mode, "weights": plan.weights}
     method.update(reduce_range=plan.reduce_range, why=plan.reason)
+    if op_types is not None:
+        method["op_types"] = list(op_types)
     if mode == "dynamic":
         with _converting(src, "int8"):
-            quantize_dynamic(src, dst, weight_type=weight_type, reduce_range=plan.reduce_range)
+            quantize_dynamic(
+                src, dst, weight_type=weight_type, reduce_range=plan.reduce_range, op_types_to_quantize=op_types
+            )
     elif mode == "static":
         if calibration is None:
             raise ValueError("static quantization needs calibration data")
