@@ -14,8 +14,9 @@ from ray.serve.deployment import Application
 
 from service.config import INGRESS_NAME, AppConfig
 from service.deployment import model_deployment
+from service.generation_config import check_decoders
 from service.ingress import Ingress
-from service.model_store import find_models
+from service.model_store import find_models, is_decoder
 from service.routes import RouteTable
 from service.serve_control import FAILED, ingress_user_config
 
@@ -52,7 +53,9 @@ def build_app(args: AppConfig | dict[str, Any] | None = None) -> Application:
     if ingress.on_own_ports and ingress.processes is None:  # resolved here, once: every replica reads the same
         ingress = ingress.model_copy(update={"processes": ingress.process_count()})
     config = config.model_copy(update={"models_dir": models_dir, "ingress": ingress})
-    colocated = [n for n in names if config.placement_for(n, cluster_gpus) == "colocated"]
+    decoders = [n for n in names if is_decoder(models_dir, n)]
+    check_decoders(decoders, lambda n: config.settings_for(n).placement)  # co-located in every serving process
+    colocated = [n for n in names if n in decoders or config.placement_for(n, cluster_gpus) == "colocated"]
     remote = {}
     for name in (n for n in names if n not in colocated):
         settings, backend = config.settings_for(name), config.backend_for(name)

@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StringConstraints, field_validator, model_validator
 
+from service.generation_config import GenerateConfig
 from service.limits import RequestLimits
 from service.repository_settings import RepositorySettings
 
@@ -279,6 +280,7 @@ class AppConfig(BaseModel):
         "changes them without a restart (the ingress's user_config)",
     )
     repository: RepositorySettings = RepositorySettings()
+    generate: GenerateConfig = GenerateConfig()
     server_name: str = "mha-serving"
 
     @model_validator(mode="after")

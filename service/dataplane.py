@@ -17,10 +17,12 @@ from contract.metadata import LOGITS, ModelMetadata
 from service import attention_api
 from service.config import AppConfig
 from service.errors import BadRequestError, ModelNotFoundError, OverCapacityError, ServiceError
+from service.generate.request import GenerateRequest, TokenEvent
+from service.generating import not_a_classifier
 from service.inference import AttentionMap, InferenceRequest, InferenceResult, Listing, ModelStatus
 from service.limits import check_in_flight
 from service.load import Load
-from service.metrics import GAUGE_REFRESH_S, IngressMetrics
+from service.metrics import GAUGE_REFRESH_S, IngressMetrics, generation_labels
 from service.placement import ModelPlacement
 from service.routes import RoutePlan
 from service.served_models import ServedModels, ready
@@ -29,6 +31,7 @@ from service.validation import rows_of
 
 logger = logging.getLogger(__name__)
 DRAIN_POLL_S = 0.05
+GENERATION_CLOSE_S = 0.5  # of a stop's period, kept for the aborted streams' last events to go out
 CLIENT_CLOSED = 499  # nginx's code for a request whose client closed the connection first (metrics only)
 
 
@@ -89,10 +92,15 @@ class DataPlane:
 
     async def drained(self, until: float) -> int:
         """`drain`, then wait until no inference request is in progress or it is `until` (a time.time()); those
-        left."""
+        left. The decoders' engines take no new sequences, let the running ones finish until shortly before `until`
+        and end the rest with finish_reason "abort", so that each stream's last event still goes out."""
         self.drain()
+        grace_s = until - time.time() - GENERATION_CLOSE_S
+        decoders = [p for p in self.models.placements() if getattr(p, "generates", False)]
+        engines = asyncio.gather(*(p.drain(grace_s) for p in decoders))
         while self.load.inference > 0 and time.time() < until:
             await asyncio.sleep(DRAIN_POLL_S)
+        await engines
         return self.load.inference
 
     async def model_status(self, name: str, version: str | None = None) -> ModelStatus:
@@ -140,7 +148,7 @@ class DataPlane:
         except ServiceError as exc:  # answered by the transport's one error mapping
             code, rejected = exc.status, isinstance(exc, OverCapacityError)
             raise
-        except asyncio.CancelledError:  # the client went away before its answer: nobody saw a 500
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away before its answer (or its stream's end)
             code = CLIENT_CLOSED
             raise
         finally:
@@ -153,8 +161,42 @@ class DataPlane:
             if load.inference == 0:
                 loop.call_soon(self._shadows.idle)  # after the answer, too
 
+    async def generate(self, endpoint: Endpoint, name: str, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
+        """One generation request to a decoder (or a route to decoders): its token events, the last with a
+        finish_reason, usage and timing. Admitted like any request (`admit`), and the admission held until the last
+        event has been taken; the consumer that stops early (a client gone) ends the sequence within a step. Records
+        time to first token, inter-token latency and the tokens."""
+        async with self.admit(endpoint, name) as call:
+            placement = self.models.placement(call.target)
+            if not getattr(placement, "generates", False):
+                raise BadRequestError(
+                    f"model {call.target!r} is a classifier: it generates no text; use /v2/models/{call.target}/infer "
+                    f"or /v1/models/{call.target}/predict"
+                )
+            meta = call.status.metadata
+            labels = generation_labels(self.models.labels(call.target, call.status), meta.kv_heads)
+            last = time.perf_counter()
+            stream = placement.submit(request)
+            self.metrics.prompt_tokens(labels, stream.prompt_tokens)
+            first = True
+            try:
+                async for event in stream:
+                    self.metrics.token_event(labels, len(event.token_ids), event.time - last, first)
+                    if event.token_ids:
+                        first, last = False, event.time
+                    yield event
+            finally:
+                stream.cancel()
+
+    def _classifier(self, call: Call) -> ModelPlacement:
+        placement = self.models.placement(call.target)
+        if getattr(placement, "generates", False):
+            raise not_a_classifier(call.target)
+        return placement
+
     async def run(self, call: Call, request: InferenceRequest) -> InferenceResult:
         """An admitted request's logits (B, C) from its target, mirrored when its route says so."""
+        self._classifier(call)
         meta = call.status.metadata
         for output in request.outputs:
             if output != LOGITS:
@@ -171,6 +213,7 @@ class DataPlane:
 
     async def attention_map(self, call: Call, text: str, layer: int | None) -> AttentionMap:
         """An admitted request's attention weights of one text, per layer asked for and head (a model's only)."""
+        self._classifier(call)
         meta = call.status.metadata
         ids, tokens, layers = attention_api.decode(text, layer, meta)
         result = await self.models.placement(call.target).attention(ids)

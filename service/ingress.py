@@ -17,8 +17,11 @@ from service.coalescer import Coalescer
 from service.config import AppConfig
 from service.dataplane import DataPlane
 from service.engine import EngineSettings, ModelEngine
+from service.generate import GenerationEngine
+from service.generating import ColocatedDecoder
 from service.http.api import InferenceFirst, create_app
 from service.http.server import HttpServer
+from service.model_store import is_decoder
 from service.placement import Colocated, ModelPlacement, Remote
 from service.repository import Repository
 from service.rpc.serve_proxy import add_entry_points
@@ -48,8 +51,12 @@ def placements(
     return models
 
 
-def open_colocated(config: AppConfig, name: str) -> Colocated:
-    """A model's engine in this process (its ORT sessions opened and warmed up: blocks)."""
+def open_colocated(config: AppConfig, name: str) -> Colocated | ColocatedDecoder:
+    """A model's engine in this process (its ORT sessions opened and warmed up: blocks); a decoder's generation
+    engine (config.generate) for a decoder."""
+    if is_decoder(config.models_dir, name):
+        settings = config.generate.settings(config.backend_for(name))
+        return ColocatedDecoder(GenerationEngine.open(config.models_dir, name, settings))
     processes = config.ingress.process_count() if config.ingress.on_own_ports else 1
     settings = EngineSettings.of(config.settings_for(name), config.backend_for(name), "colocated", processes)
     return Colocated(ModelEngine(config.models_dir, name, settings))

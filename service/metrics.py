@@ -47,6 +47,11 @@ def model_labels(meta: ModelMetadata | None, backend: str, name: str = UNKNOWN_M
     }
 
 
+def generation_labels(labels: dict[str, str], kv_heads: int) -> dict[str, str]:
+    """A decoder's labels: its model labels and its key/value heads."""
+    return {**labels, "kv_heads": str(kv_heads)}
+
+
 def _labels_of(key: tuple[str, ...]) -> dict[str, str]:
     """The labels of a model_labels() key (its values, in MODEL_LABELS order)."""
     return dict(zip(MODEL_LABELS, key, strict=True))
@@ -112,6 +117,30 @@ class IngressMetrics:
             "included (401 without the token).",
             tag_keys=("action", "code"),
         )
+        generation_keys = (*MODEL_LABELS, "kv_heads")
+        self.first_token = Histogram(
+            "mha_time_to_first_token_seconds",
+            description="Time from a generation request's admission to its first token (queue and prefill).",
+            boundaries=LATENCY_BUCKETS_S,
+            tag_keys=generation_keys,
+        )
+        self.inter_token = Histogram(
+            "mha_inter_token_latency_seconds",
+            description="Time between consecutive tokens of one generation request.",
+            boundaries=LATENCY_BUCKETS_S,
+            tag_keys=generation_keys,
+        )
+        self.generated = Counter(
+            "mha_generation_tokens_total",
+            description="Tokens generated (EOS and the tokens of a stop string included).",
+            tag_keys=generation_keys,
+        )
+        self.prompt = Counter(
+            "mha_prompt_tokens_total",
+            description="Prompt tokens of the generation requests that started.",
+            tag_keys=generation_keys,
+        )
+        self._tokens: dict[tuple[str, ...], list[int]] = {}  # generation labels -> [generated, prompt] since refresh
         self._in_flight: dict[tuple[str, ...], int] = {}
         self._info: list[dict[str, str]] = []
         # Counts since the last `refresh`, added to the counters there: a Ray counter increment per request cost
@@ -123,7 +152,8 @@ class IngressMetrics:
         self._compared: dict[tuple[str, ...], list[int]] = {}  # shadow key -> [rows, agreeing rows]
 
     def model_info(self, meta: ModelMetadata, backend: str) -> None:
-        extra = {k: str(getattr(meta, k)) for k in ("layers", "vocab_size", "max_len", "num_classes", "ff_dim")}
+        keys = ("layers", "vocab_size", "max_len", "num_classes", "ff_dim")
+        extra = {k: str(getattr(meta, k, 0)) for k in keys}  # a decoder has no classes: 0
         tags = {**model_labels(meta, backend), **extra, "tokenizer": meta.tokenizer, "task": meta.task}
         self._info.append(tags)
         self.info.set(1, tags=tags)
@@ -148,6 +178,12 @@ class IngressMetrics:
         requests, self._requests = self._requests, {}
         for (key, endpoint, code), count in requests.items():
             self.requests.inc(count, tags={**_labels_of(key), "endpoint": endpoint, "code": str(code)})
+        tokens, self._tokens = self._tokens, {}
+        for key, (generated, prompt) in tokens.items():
+            tags = dict(zip((*MODEL_LABELS, "kv_heads"), key, strict=True))
+            for counter, count in ((self.generated, generated), (self.prompt, prompt)):
+                if count:  # a Ray counter takes only increments > 0
+                    counter.inc(count, tags=tags)
         rejected, self._rejected = self._rejected, {}
         for key, count in rejected.items():
             self.rejected.inc(count, tags=_labels_of(key))
@@ -179,6 +215,19 @@ class IngressMetrics:
         if rejected:
             self._rejected[key] = self._rejected.get(key, 0) + 1
         self.latency.observe(seconds, tags={**labels, "endpoint": endpoint})
+
+    def token_event(self, labels: dict[str, str], tokens: int, since_s: float, first: bool) -> None:
+        """One event of a generation stream with `tokens` new tokens, `since_s` after the previous one (after the
+        admission for the `first` with a token); generation_labels."""
+        if not tokens:
+            return
+        (self.first_token if first else self.inter_token).observe(since_s, tags=labels)
+        counts = self._tokens.setdefault(tuple(labels.values()), [0, 0])
+        counts[0] += tokens
+
+    def prompt_tokens(self, labels: dict[str, str], tokens: int) -> None:
+        counts = self._tokens.setdefault(tuple(labels.values()), [0, 0])
+        counts[1] += tokens
 
     def routed_request(self, route: str, labels: dict[str, str], code: int) -> None:
         """One request to `route`, answered by the model of `labels` with `code`."""

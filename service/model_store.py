@@ -5,11 +5,13 @@ Reads metadata through ONNX Runtime's own view of the file (no second parse, no 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from contract.metadata import (
     ARCH_KEY,
     ATTENTION_MASK,
+    CONFIG_FILE,
     DECODER,
     INPUT_IDS,
     LOGITS,
@@ -42,6 +44,14 @@ def find_models(models_dir: str | Path, names: list[str] | None = None) -> list[
     return found
 
 
+def is_decoder(models_dir: str | Path, name: str) -> bool:
+    """Whether the folder holds a decoder (its config.json says arch=decoder): served by a generation engine."""
+    try:
+        return json.loads((Path(models_dir) / name / CONFIG_FILE).read_text()).get(ARCH_KEY) == DECODER
+    except (OSError, ValueError, AttributeError):
+        return False  # no readable config: loaded as a classifier, whose load says what is wrong
+
+
 def model_file(models_dir: str | Path, name: str) -> Path:
     path = Path(models_dir) / name / MODEL_FILE
     if not path.is_file():
@@ -61,8 +71,8 @@ def check_contract(name: str, props: dict[str, str], inputs: list, outputs: list
     """
     if props.get(ARCH_KEY) == DECODER:  # a language model (export --decoder, train --task docs-lm)
         raise ModelFileError(
-            f"model {name!r} is a decoder (arch=decoder): this server serves classifiers only, token generation is "
-            "not served yet; keep decoders out of the models folder, or name the models to serve"
+            f"model {name!r} is a decoder (arch=decoder): not a classifier; decoders are served by a "
+            "generation engine, chosen by the folder's config.json (arch=decoder), which is missing or says otherwise"
         )
     try:
         meta = ModelMetadata.from_props(props)

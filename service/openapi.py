@@ -42,16 +42,33 @@ class ErrorBody(BaseModel):
     error: str
 
 
-def responses(ok: type[BaseModel], *errors: int, binary_answer: bool = False) -> dict[int | str, dict[str, Any]]:
-    """FastAPI's `responses` for a route: 200 with `ok` (or, `binary_answer`, as binary tensor data), its own
-    `errors` and those any request can get."""
+class OpenAIError(BaseModel):
+    message: str
+    type: str
+    param: None = None
+    code: int
+
+
+class OpenAIErrorBody(BaseModel):
+    """Every error under /openai/: OpenAI's shape (service/responses.py), the message as elsewhere."""
+
+    error: OpenAIError
+
+
+def responses(
+    ok: type[BaseModel], *errors: int, binary_answer: bool = False, event_stream: bool = False, openai: bool = False
+) -> dict[int | str, dict[str, Any]]:
+    """FastAPI's `responses` for a route: 200 with `ok` (or, `binary_answer`, as binary tensor data; `event_stream`:
+    also as server-sent events), its own `errors` and those any request can get (`openai`: in OpenAI's shape)."""
     out: dict[int | str, dict[str, Any]] = {200: {"model": ok, "description": ok.__doc__ or "OK"}}
+    if event_stream:
+        out[200]["content"] = {"text/event-stream": {"schema": {"type": "string"}}}
     if binary_answer:
         length = {"description": "Binary answers only: the length of the JSON header.", "schema": {"type": "string"}}
         out[200]["content"] = {"application/octet-stream": {"schema": BINARY_BODY}}
         out[200]["headers"] = {binary.HEADER_NAME: length}
     for status in sorted({*errors, *ANY_REQUEST}):
-        out[status] = {"model": ErrorBody, "description": ERRORS[status]}
+        out[status] = {"model": OpenAIErrorBody if openai else ErrorBody, "description": ERRORS[status]}
         if status in HEADERS:
             out[status]["headers"] = HEADERS[status]
     return out
@@ -89,6 +106,15 @@ def request_schemas(bounds: Bounds) -> dict[str, Schema]:
     attention["properties"] |= {"text": text, "layer": {"anyOf": [bounds.layer(), {"type": "null"}]}}
     v2_schemas = v2.request_schemas(bounds, REF)
     return {**v2_schemas, "PredictRequest": simple.request_schema(bounds), "AttentionRequest": attention}
+
+
+def generation_schemas() -> dict[str, Schema]:
+    """The generation routes' request bodies (and their parts): OpenAI's completions, the OIP generate."""
+    from service.protocol import generate, openai  # the engine's modules: loaded with the routes that use them
+
+    bodies = [(openai.CompletionRequest, "validation"), (generate.GenerateBody, "validation")]
+    _, defs = models_json_schema(bodies, ref_template=REF)
+    return defs["$defs"]
 
 
 def repository_schemas(models: list[str]) -> dict[str, Schema]:

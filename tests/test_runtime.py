@@ -129,10 +129,10 @@ def test_contract_check_rejects_a_file_without_our_metadata():
         check_contract("x", {}, inputs, [_arg("logits", "tensor(float)", ("batch", 2))])
 
 
-def test_a_decoder_in_the_models_folder_is_refused_saying_it_is_a_decoder():
+def test_a_decoder_opened_as_a_classifier_is_refused_saying_it_is_a_decoder():
     props = {"mha_serving.schema": "1", "arch": "decoder", "name": "lm-h4-kv1-d64"}
     inputs = [_arg("input_ids"), _arg("attention_mask"), _arg("position_ids")]
-    with pytest.raises(ModelFileError, match=r"'lm-h4-kv1-d64' is a decoder \(arch=decoder\): this server serves"):
+    with pytest.raises(ModelFileError, match=r"'lm-h4-kv1-d64' is a decoder \(arch=decoder\): not a classifier"):
         check_contract("lm-h4-kv1-d64", props, inputs, [_arg("logits", "tensor(float)", ("batch", "seq", 260))])
 
 

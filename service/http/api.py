@@ -21,13 +21,13 @@ from starlette.routing import BaseRoute, Match
 from service import attention_api, openapi
 from service.dataplane import DataPlane
 from service.errors import ServiceError
-from service.http import inference, openapi_doc
+from service.http import generate, inference, openapi_doc
 from service.http import repository as http_repository
 from service.http.inference import describe_errors
 from service.http.limits import RequestLimitsMiddleware, over_limits
 from service.protocol import simple, v2
 from service.repository import Repository
-from service.responses import error_response, json_response
+from service.responses import error_body, error_response, is_openai, json_response
 from service.validation import Bounds
 
 # FastAPI's own OpenTelemetry instrumentation asks the global providers on every request whether it is configured;
@@ -46,6 +46,7 @@ def create_app(plane: DataPlane, repository: Repository | None = None) -> FastAP
     _inference_routes(app, plane)  # first: the router tries routes in order
     _v2_routes(app, plane)
     _v1_routes(app, plane)
+    generate.add_routes(app, plane)
     if repository is not None and repository.enabled:
         http_repository.add_routes(app, repository, plane.metrics, plane.limits)
     openapi_doc.add_routes(app, plane, lambda models, routes, bounds: document(app, models, bounds, routes))
@@ -53,19 +54,22 @@ def create_app(plane: DataPlane, repository: Repository | None = None) -> FastAP
 
 
 def _map_errors(app: FastAPI) -> None:
-    """Every error a route raises becomes `{"error": ...}` with its status (service/responses.py)."""
+    """Every error a route raises becomes `{"error": ...}` with its status, in OpenAI's shape under /openai/
+    (service/responses.py)."""
 
-    async def mapped(_: Request, exc: Exception) -> Response:
-        return error_response(exc)
+    async def mapped(request: Request, exc: Exception) -> Response:
+        return error_response(exc, is_openai(request.url.path))
 
-    async def invalid(_: Request, exc: RequestValidationError) -> Response:
-        return json_response({"error": "invalid request: " + describe_errors(exc.errors())}, 400)
+    async def invalid(request: Request, exc: RequestValidationError) -> Response:
+        message = "invalid request: " + describe_errors(exc.errors())
+        return json_response(error_body(message, 400, is_openai(request.url.path)), 400)
 
     async def http_error(request: Request, exc: HTTPException) -> Response:  # Starlette's 404 and 405
         headers = exc.headers
         if exc.status_code == 405:  # Starlette names the methods of the first route of the path only
             headers = {**(headers or {}), "Allow": ", ".join(allowed_methods(app, request.scope))}
-        return json_response({"error": str(exc.detail)}, exc.status_code, headers)
+        body = error_body(str(exc.detail), exc.status_code, is_openai(request.url.path))
+        return json_response(body, exc.status_code, headers)
 
     # ServiceError's handler answers and the connection stays open; the one for any other Exception (a 500) runs in
     # Starlette's outermost middleware, which answers, then re-raises: the server logs it and closes the connection.
@@ -252,7 +256,7 @@ def document(app: FastAPI, models: list[str], bounds: Bounds, route_names: list[
     (and the model repository API's, where it is mounted) and the names served: `models`, then `route_names`."""
     routes = [*_inference_docs(), *app.routes]
     built = get_openapi(title=app.title, version=app.version, description=app.description, routes=routes)
-    bodies = openapi.request_schemas(bounds)
+    bodies = openapi.request_schemas(bounds) | openapi.generation_schemas()
     if any(getattr(r, "path", "").startswith(http_repository.PREFIX) for r in app.routes):
         bodies |= openapi.repository_schemas(models)
     values = {"name": [*models, *route_names], "version": [v2.MODEL_VERSION], "model": models}

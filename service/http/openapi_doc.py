@@ -11,6 +11,7 @@ from fastapi import FastAPI
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import Response
 
+from contract.decoder_metadata import DecoderMetadata
 from service.dataplane import DataPlane
 from service.responses import json_response
 from service.validation import Bounds
@@ -39,9 +40,10 @@ async def served_document(app: FastAPI, plane: DataPlane, build: Build) -> dict[
     a change of routes clears it), built afresh until then from those that have."""
     if app.openapi_schema is None:
         statuses = [await plane.model_status(name) for name in plane.models.names]
-        loaded = [s.metadata for s in statuses if s.ready and s.metadata is not None]
+        metas = [s.metadata for s in statuses if s.ready and s.metadata is not None]
+        loaded = [m for m in metas if not isinstance(m, DecoderMetadata)]  # the classifiers' bodies are bounded
         built = build(plane.models.names, plane.models.routes.names, Bounds.of(plane.limits.max_rows, loaded))
-        if len(loaded) < len(statuses):
+        if len(metas) < len(statuses):
             return built
         app.openapi_schema = built
     return app.openapi_schema

@@ -8,9 +8,10 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
-from contract.metadata import ModelMetadata
+from contract.decoder_metadata import DecoderMetadata
+from contract.metadata import CLASSIFIER, ModelMetadata
 from service.errors import BadRequestError
 from service.inference import InferenceRequest, InferenceResult, Listing, ModelStatus
 from service.validation import MASK_VALUE, Bounds, Schema, int_matrix, ragged
@@ -94,6 +95,9 @@ class ModelInfo(BaseModel):
     vocab_size: int | None = None
     labels: list[str] | None = None
     task: str | None = None
+    arch: str | None = Field(None, description="classifier, or decoder: served by the generation routes")
+    kv_heads: int | None = Field(None, description="a decoder's key/value heads")
+    context_length: int | None = Field(None, description="a decoder's prompt and generated tokens together")
     backend: str | None = None
     backend_reason: str | None = None
     threads: int | None = None
@@ -180,7 +184,13 @@ def model_info(status: ModelStatus) -> dict[str, Any]:
     meta = status.metadata
     if meta is None:
         return {**out, "error": status.reason}
+    if isinstance(meta, DecoderMetadata):  # a generator: its key/value heads and context length
+        config = {"heads": meta.heads, "head_dim": meta.head_dim, "d_model": meta.d_model, "layers": meta.layers}
+        out.update(config, precision=meta.precision, max_len=meta.max_len, vocab_size=meta.vocab_size, task=meta.task)
+        out.update(arch=meta.arch, kv_heads=meta.kv_heads, context_length=meta.max_len)
+        return out | {"backend": status.backend, "backend_reason": status.reason, "threads": status.threads}
     out.update(head_config(meta))
+    out.update(arch=CLASSIFIER)
     out.update(
         quantized_from=meta.quantized_from,
         max_len=meta.max_len,

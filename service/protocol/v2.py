@@ -13,7 +13,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from contract.binary_tensors import EXTENSION
-from contract.metadata import ATTENTION_MASK, INPUT_IDS, LOGITS, ModelMetadata
+from contract.decoder_metadata import DecoderMetadata
+from contract.metadata import ATTENTION_MASK, CLASSIFIER, INPUT_IDS, LOGITS, ModelMetadata
 from service.errors import BadRequestError
 from service.inference import MODEL_VERSION, InferenceRequest
 from service.validation import MASK_VALUE, Bounds, Schema, int_matrix
@@ -260,8 +261,11 @@ def server_metadata(server_name: str) -> dict[str, Any]:
     return {"name": server_name, "version": package_version("mha-serving"), "extensions": [EXTENSION]}
 
 
-def model_metadata(meta: ModelMetadata) -> dict[str, Any]:
-    """v2 model metadata (tritonclient's get_model_metadata reads it); -1 marks dynamic dimensions."""
+def model_metadata(meta: ModelMetadata | DecoderMetadata) -> dict[str, Any]:
+    """v2 model metadata (tritonclient's get_model_metadata reads it); -1 marks dynamic dimensions. A decoder's
+    says so (`arch`) and names its generate routes' text input and output."""
+    if isinstance(meta, DecoderMetadata):
+        return decoder_metadata(meta)
     return {
         "name": meta.name,
         "versions": [MODEL_VERSION],
@@ -281,5 +285,26 @@ def model_metadata(meta: ModelMetadata) -> dict[str, Any]:
             "vocab_size": meta.vocab_size,
             "labels": list(meta.labels),
             "text_input": f"{TEXT} (BYTES [-1]) instead of {INPUT_IDS}/{ATTENTION_MASK}" if meta.takes_text else "",
+            "arch": CLASSIFIER,
+        },
+    }
+
+
+def decoder_metadata(meta: DecoderMetadata) -> dict[str, Any]:
+    """A decoder's v2 metadata: the generate extension's text_input and text_output, its head configuration."""
+    params = {k: getattr(meta, k) for k in ("heads", "kv_heads", "head_dim", "d_model", "layers", "vocab_size")}
+    return {
+        "name": meta.name,
+        "versions": [MODEL_VERSION],
+        "platform": PLATFORM,
+        "inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1]}],
+        "outputs": [{"name": "text_output", "datatype": "BYTES", "shape": [1]}],
+        "parameters": {
+            **params,
+            "arch": meta.arch,
+            "precision": meta.precision,
+            "max_len": meta.max_len,
+            "context_length": meta.max_len,
+            "generate": "POST /v2/models/{name}/generate, /generate_stream; /openai/v1/completions",
         },
     }

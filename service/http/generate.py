@@ -1,0 +1,168 @@
+"""The HTTP generation handlers: OpenAI's completions and model list under /openai/v1, and the Open Inference
+Protocol's generate and generate_stream. Each decodes its body into a GenerateRequest, takes the data plane's token
+events (`DataPlane.generate`, the one entry) and encodes them: one JSON answer, or server-sent events. The first
+event is awaited before the answer starts, so that a refusal (400, 404, 503) is an HTTP status. No torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import orjson
+from fastapi import FastAPI
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from service import openapi
+from service.dataplane import DataPlane, Endpoint
+from service.generate import GenerateRequest, TokenEvent
+from service.http.inference import json_body
+from service.protocol import generate as oip
+from service.protocol import openai
+from service.responses import error_body, json_response
+
+COMPLETIONS = Endpoint("openai_completions")
+GENERATE = Endpoint("v2_generate")
+GENERATE_STREAM = Endpoint("v2_generate_stream")
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events over the token events; the events are closed however the answer ends (a client gone
+    included), so the sequence leaves the batch and its admission ends."""
+
+    def __init__(self, body: AsyncIterator[bytes], events: AsyncIterator[TokenEvent]) -> None:
+        super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._events = events
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._events.aclose()
+
+
+async def opened(
+    plane: DataPlane, endpoint: Endpoint, name: str, request: GenerateRequest
+) -> tuple[TokenEvent, AsyncIterator[TokenEvent]]:
+    """The request's first event (admitted, queued, its prefill run) and the rest; raises what refused it."""
+    events = plane.generate(endpoint, name, request)
+    try:
+        return await anext(events), events
+    except BaseException:
+        await events.aclose()
+        raise
+
+
+async def _all(first: TokenEvent, events: AsyncIterator[TokenEvent]) -> tuple[str, TokenEvent]:
+    """The whole text and the last event."""
+    texts, last = [first.text], first
+    async for last in events:
+        texts.append(last.text)
+    return "".join(texts), last
+
+
+async def _each(first: TokenEvent, events: AsyncIterator[TokenEvent]) -> AsyncIterator[TokenEvent]:
+    yield first
+    async for event in events:
+        yield event
+
+
+async def _encoded(
+    first: TokenEvent,
+    events: AsyncIterator[TokenEvent],
+    encode: Callable[[TokenEvent], list[bytes]],
+    end: bytes,
+    openai_errors: bool = False,
+) -> AsyncIterator[bytes]:
+    """Each event's SSE lines; an error after the answer started is an event with the error's body (as the one
+    mapping renders it), then `end`."""
+    try:
+        async for event in _each(first, events):
+            for line in encode(event):
+                yield line
+    except Exception as exc:  # the status is sent already: the client reads an error event
+        yield sse(error_body(str(exc), getattr(exc, "status", 500), openai_errors))
+    yield end
+
+
+async def completions(plane: DataPlane, request: Request) -> Response:
+    """POST /openai/v1/completions: a completion, or with `stream` its chunks as server-sent events."""
+    body = await json_body(request, plane, openai.CompletionRequest)
+    first, events = await opened(plane, COMPLETIONS, body.model, openai.to_request(body))
+    completion = openai.Completion(body.model)
+    if not body.stream:
+        text, last = await _all(first, events)
+        return json_response(completion.whole(text, last))
+    separate = body.stream_options is not None and body.stream_options.include_usage
+
+    def encode(event: TokenEvent) -> list[bytes]:
+        lines = [sse(completion.chunk(event, with_usage=not separate))]
+        if separate and event.finish_reason is not None:
+            lines.append(sse(completion.usage_chunk(event)))
+        return lines
+
+    return EventStream(_encoded(first, events, encode, DONE, openai_errors=True), events)
+
+
+async def models(plane: DataPlane) -> Response:
+    """GET /openai/v1/models: the decoders."""
+    return json_response(openai.model_list((await plane.listing()).statuses))
+
+
+async def generate(plane: DataPlane, request: Request, name: str) -> Response:
+    """POST /v2/models/{name}/generate: the whole text and its finish reason."""
+    body = await json_body(request, plane, oip.GenerateBody)
+    first, events = await opened(plane, GENERATE, name, oip.to_request(body))
+    text, last = await _all(first, events)
+    return json_response(oip.answer(name, body, text, last))
+
+
+async def generate_stream(plane: DataPlane, request: Request, name: str) -> Response:
+    """POST /v2/models/{name}/generate_stream: an event per text delta, the last with `details`."""
+    body = await json_body(request, plane, oip.GenerateBody)
+    first, events = await opened(plane, GENERATE_STREAM, name, oip.to_request(body))
+    return EventStream(_encoded(first, events, lambda e: [sse(oip.answer(name, body, e.text, e))], b""), events)
+
+
+def add_routes(app: FastAPI, plane: DataPlane) -> None:
+    """Token generation (decoders): OpenAI's completions under /openai/v1, the Open Inference Protocol's generate."""
+    errors = (404, 503, *openapi.WITH_BODY)
+
+    @app.post(
+        "/openai/v1/completions",
+        openapi_extra=openapi.request_body(openai.CompletionRequest),
+        responses=openapi.responses(openai.CompletionResponse, *errors, event_stream=True, openai=True),
+    )
+    async def openai_completions(request: Request) -> Response:
+        """OpenAI's completions: a decoder's text for a prompt (text or token ids); `stream: true` for
+        server-sent events."""
+        return await completions(plane, request)
+
+    @app.get("/openai/v1/models", responses=openapi.responses(openai.ModelList, openai=True))
+    async def openai_models() -> Response:
+        """The decoders, in OpenAI's list format."""
+        return await models(plane)
+
+    @app.post(
+        "/v2/models/{name}/generate",
+        openapi_extra=openapi.request_body(oip.GenerateBody),
+        responses=openapi.responses(oip.GenerateResponse, *errors),
+    )
+    async def v2_generate(name: str, request: Request) -> Response:
+        """The Open Inference Protocol's generate extension: the whole text."""
+        return await generate(plane, request, name)
+
+    @app.post(
+        "/v2/models/{name}/generate_stream",
+        openapi_extra=openapi.request_body(oip.GenerateBody),
+        responses=openapi.responses(oip.GenerateResponse, *errors, event_stream=True),
+    )
+    async def v2_generate_stream(name: str, request: Request) -> Response:
+        """The generate extension's stream: server-sent events, one per text delta, `details` on the last."""
+        return await generate_stream(plane, request, name)

@@ -1,0 +1,73 @@
+"""The Open Inference Protocol's generate extension (KServe's generate_rest.yaml, Triton's): `text_input` and
+`parameters` decoded into a GenerateRequest; `text_output` and `details.finish_reason` encoded from the token events,
+whole (generate) or per event (generate_stream). No torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from service.generate import ABORT, CANCELLED, EOS, LENGTH, STOP, GenerateRequest, SamplingParams, TokenEvent
+from service.inference import MODEL_VERSION
+
+FINISH = {STOP: "stop_sequence", EOS: "eos_token", LENGTH: "length", ABORT: "abort", CANCELLED: "abort"}
+
+
+class GenerateParameters(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    max_tokens: int = Field(16, description="tokens to generate at most; prompt + max_tokens <= the context")
+    temperature: float = Field(1.0, description="0: greedy")
+    top_p: float = Field(1.0, description="nucleus sampling: (0, 1]")
+    top_k: int = Field(0, description="the k most likely tokens only; 0: all")
+    seed: int | None = Field(None, description="the same seed gives the same text, alone or batched")
+    stop: str | list[str] | None = Field(None, description="the text ends before the first of these")
+    ignore_eos: bool = False
+
+
+class GenerateBody(BaseModel):
+    """POST /v2/models/{name}/generate and generate_stream."""
+
+    model_config = ConfigDict(extra="forbid")
+    text_input: str = Field(description="the prompt (the byte tokenizer, BOS first)")
+    parameters: GenerateParameters = GenerateParameters()
+    id: str | None = Field(None, description="echoed")
+
+
+def to_request(body: GenerateBody) -> GenerateRequest:
+    p = body.parameters
+    params = SamplingParams(p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed, p.stop or (), p.ignore_eos)
+    return GenerateRequest(body.text_input, params)
+
+
+def answer(name: str, body: GenerateBody, text: str, event: TokenEvent) -> dict[str, Any]:
+    """The whole answer (text: everything so far), or one stream event (text: its delta); details on the last."""
+    out: dict[str, Any] = {"model_name": name, "model_version": MODEL_VERSION, "text_output": text}
+    if body.id is not None:
+        out["id"] = body.id
+    if event.finish_reason is not None:
+        usage = event.usage
+        out["details"] = {
+            "finish_reason": FINISH.get(event.finish_reason, event.finish_reason),
+            "prompt_tokens": usage.prompt_tokens if usage else 0,
+            "generated_tokens": usage.completion_tokens if usage else 0,
+        }
+    return out
+
+
+class GenerateDetails(BaseModel):
+    finish_reason: str = Field(description="length, eos_token, stop_sequence or abort (the server stopped)")
+    prompt_tokens: int
+    generated_tokens: int
+
+
+class GenerateResponse(BaseModel):
+    """The generated text and why it ended; generate_stream: server-sent events of this shape, each with its text
+    delta, `details` on the last."""
+
+    model_name: str
+    model_version: str
+    text_output: str
+    id: str | None = None
+    details: GenerateDetails | None = None

@@ -1,0 +1,263 @@
+"""Token generation served by `mha-serving serve` beside a classifier: the official `openai` client against
+/openai/v1 (a completion, a stream with the same text, usage, finish reasons, a stop string, a prompt of token ids),
+the Open Inference Protocol's generate and generate_stream, the model lists, the 4xx answers (over the context, n=2,
+an unknown model, a classifier asked to generate and a decoder asked to classify), and a client that disconnects
+mid-stream freeing its sequence's KV reservation for the next request."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+from conftest import export_tiny_model
+
+from benchmarks.harness.server import ServerProcess
+from export import decoder_export
+from export.decoder import DecoderConfig, DecoderLM
+from service.config import AppConfig
+from service.generate import GenerationSettings
+from service.local import launcher
+from service.local.ports import free_port
+
+LM = "lm-h4-kv1-d32"  # the tiny decoder: context 64
+LONG = "lm-h4-kv4-d32"  # a decoder with a long context (2048): its streams last seconds, for the disconnect test
+CLASSIFIER = "mha-h2-d32"
+KV_TOKENS = 2048  # generate.kv_cache_tokens: one full context of LONG, so a second LONG sequence waits for the first
+DRAIN_S = 1.0  # limits.drain_s: shorter than a whole LONG stream, so that a stop aborts one
+PROMPT = "def f(x):"
+PROMPT_TOKENS = 1 + len(PROMPT)  # BOS, then a token per byte
+
+pytestmark = [pytest.mark.serve, pytest.mark.slow]
+
+
+def _decoder(out: Path, kv: int, max_len: int, seed: int) -> None:
+    torch.manual_seed(seed)
+    model = DecoderLM(DecoderConfig(d_model=32, heads=4, kv_heads=kv, layers=2, max_len=max_len))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(4.0)  # spread the logits of an untrained model, so that greedy choices differ from step to step
+    decoder_export.export_decoder(model.eval(), model.config.metadata(), out)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    out = tmp_path_factory.mktemp("generation-models")
+    _decoder(out, kv=1, max_len=64, seed=1)
+    _decoder(out, kv=4, max_len=KV_TOKENS, seed=4)
+    export_tiny_model(out, heads=2, seed=2)
+    config = {
+        "models_dir": str(out),
+        "backend": "cpu",
+        "generate": {"kv_cache_tokens": KV_TOKENS, "threads": 1},
+        "limits": {"drain_s": DRAIN_S},
+    }
+    os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")  # Ray's export every second, as tests/serving.py
+    with ServerProcess(config) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=f"http://127.0.0.1:{server.port}", timeout=60) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/openai/v1", api_key="unused", max_retries=0)
+
+
+def _greedy() -> dict:
+    return {"model": LM, "prompt": PROMPT, "max_tokens": 24, "temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
+def test_a_completion_and_its_stream_give_the_same_text_and_usage(client):
+    whole = client.completions.create(**_greedy())
+    choice = whole.choices[0]
+    assert whole.object == "text_completion" and whole.model == LM and whole.id.startswith("cmpl-")
+    assert choice.finish_reason == "length" and choice.index == 0
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens, whole.usage.total_tokens) == (
+        PROMPT_TOKENS,
+        24,
+        PROMPT_TOKENS + 24,
+    )
+    chunks = list(client.completions.create(**_greedy(), stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == choice.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+    plain = list(client.completions.create(**_greedy(), stream=True))  # usage on the last chunk
+    assert "".join(c.choices[0].text for c in plain) == choice.text
+    assert plain[-1].usage.prompt_tokens == PROMPT_TOKENS and plain[-1].choices[0].finish_reason == "length"
+
+
+def test_a_seeded_sampled_completion_repeats_and_a_prompt_of_token_ids_works(client):
+    sampled = {"model": LM, "prompt": PROMPT, "max_tokens": 16, "temperature": 0.8, "seed": 7}
+    first = client.completions.create(**sampled).choices[0].text
+    assert client.completions.create(**sampled).choices[0].text == first
+    ids = client.completions.create(model=LM, prompt=[1, 2, 3], max_tokens=5, temperature=0)
+    assert ids.usage.prompt_tokens == 3 and ids.usage.completion_tokens <= 5
+
+
+def test_a_stop_string_ends_the_text_before_it(client):
+    text = client.completions.create(**_greedy()).choices[0].text
+    stop = text[6:8]
+    assert len(stop) == 2, text
+    stopped = client.completions.create(**_greedy() | {"stop": [stop]}).choices[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == text[: text.index(stop)]
+
+
+def test_the_oip_generate_and_generate_stream_agree_with_the_completion(client, http):
+    text = client.completions.create(**_greedy()).choices[0].text
+    body = {"text_input": PROMPT, "parameters": {"max_tokens": 24, "temperature": 0, "ignore_eos": True}}
+    whole = http.post(f"/v2/models/{LM}/generate", json=body)
+    assert whole.status_code == 200, whole.text
+    answer = whole.json()
+    assert answer["model_name"] == LM and answer["text_output"] == text
+    assert answer["details"] == {"finish_reason": "length", "prompt_tokens": PROMPT_TOKENS, "generated_tokens": 24}
+    with http.stream("POST", f"/v2/models/{LM}/generate_stream", json=body) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [json.loads(line[len("data: ") :]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert "".join(e["text_output"] for e in events) == text
+    assert events[-1]["details"]["finish_reason"] == "length"
+    eos = http.post(f"/v2/models/{LM}/generate", json={"text_input": PROMPT, "parameters": {"max_tokens": 3}})
+    assert eos.json()["details"]["finish_reason"] in ("length", "eos_token")
+
+
+def test_the_model_lists_say_which_models_generate(http):
+    listed = {m["name"]: m for m in http.get("/v1/models").json()["models"]}
+    assert listed[LM]["arch"] == "decoder" and listed[LM]["kv_heads"] == 1 and listed[LM]["context_length"] == 64
+    assert listed[CLASSIFIER]["arch"] == "classifier"
+    params = http.get(f"/v2/models/{LM}").json()["parameters"]
+    assert (params["arch"], params["kv_heads"], params["context_length"]) == ("decoder", 1, 64)
+    openai_models = http.get("/openai/v1/models").json()
+    assert openai_models["object"] == "list"
+    assert {m["id"] for m in openai_models["data"]} == {LM, LONG}
+
+
+def test_bad_requests_are_4xx_that_say_why(client, http):
+    over = http.post("/openai/v1/completions", json={"model": LM, "prompt": PROMPT, "max_tokens": 60})
+    error = over.json()["error"]  # OpenAI's shape under /openai/
+    assert over.status_code == 400 and error["type"] == "invalid_request_error" and error["code"] == 400
+    assert f"{PROMPT_TOKENS} tokens + max_tokens 60" in error["message"] and "length of 64" in error["message"]
+    with pytest.raises(openai.BadRequestError, match="not supported: n=2"):
+        client.completions.create(model=LM, prompt=PROMPT, n=2)
+    with pytest.raises(openai.NotFoundError, match="unknown model 'nope'"):
+        client.completions.create(model="nope", prompt=PROMPT)
+    with pytest.raises(openai.BadRequestError, match="is a classifier"):
+        client.completions.create(model=CLASSIFIER, prompt=PROMPT)
+    asked = http.post(f"/v1/models/{LM}/predict", json={"text": "hello"})
+    assert asked.status_code == 400 and "a decoder: use /openai/v1/completions" in asked.json()["error"]
+    v2 = http.post(f"/v2/models/{LM}/infer", json={"inputs": []})
+    assert v2.status_code == 400, v2.text
+    stream = http.post(f"/v2/models/{LM}/generate_stream", json={"text_input": PROMPT, "parameters": {"top_p": 0}})
+    assert stream.status_code == 400 and "top_p" in stream.json()["error"]
+    assert http.post(f"/v2/models/{CLASSIFIER}/generate", json={"text_input": "x"}).status_code == 400
+
+
+def test_classifiers_answer_beside_the_decoders(http):
+    answer = http.post(f"/v1/models/{CLASSIFIER}/predict", json={"text": "hello"})
+    assert answer.status_code == 200 and len(answer.json()["logits"][0]) == 2
+
+
+def _long(max_tokens: int, stream: bool = False) -> dict:
+    body = {"model": LONG, "prompt": [1], "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    return body | {"stream": stream}
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_sequence(server, http):
+    """Each LONG request reserves the whole KV budget: the second one starts only once the first has left."""
+    start = time.perf_counter()
+    whole = http.post("/openai/v1/completions", json=_long(KV_TOKENS - 1))
+    full_s = time.perf_counter() - start
+    assert whole.status_code == 200 and whole.json()["usage"]["completion_tokens"] == KV_TOKENS - 1
+    with (
+        httpx.Client(base_url=http.base_url, timeout=60) as gone,
+        gone.stream("POST", "/openai/v1/completions", json=_long(KV_TOKENS - 1, stream=True)) as r,
+    ):
+        assert r.status_code == 200
+        next(r.iter_lines())  # the first chunk: the sequence runs, holding the whole budget
+    # leaving the block closed the connection before the stream ended
+    start = time.perf_counter()
+    after = http.post("/openai/v1/completions", json=_long(8))
+    waited_s = time.perf_counter() - start
+    assert after.status_code == 200, after.text
+    print(f"a whole {KV_TOKENS - 1}-token completion: {full_s:.2f} s; the next after a disconnect: {waited_s:.2f} s")
+    assert waited_s < full_s / 2
+
+
+def test_a_decoder_asked_to_run_in_a_deployment_of_its_own_is_refused_in_one_line(server, tmp_path, capsys):
+    config = tmp_path / "serve.yaml"
+    config.write_text(f"overrides:\n  {LM}:\n    placement: deployment\n")
+    models = server.config["models_dir"]
+    assert launcher.main(["--models", models, "--config", str(config), "--port", str(free_port())]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"decoders ['{LM}']: placement 'deployment' is not served yet" in err, err
+
+
+def test_the_generate_block_becomes_the_engines_settings():
+    settings = AppConfig.model_validate({"generate": {"kv_cache_tokens": 128, "max_running": 4}}).generate
+    assert settings.settings("cpu") == GenerationSettings(kv_cache_tokens=128, max_running=4, backend="cpu")
+    with pytest.raises(ValueError, match="max_waiting"):
+        AppConfig.model_validate({"generate": {"max_waiting": 0}})
+
+
+def _series(text: str, name: str, **labels: str) -> float:
+    """The sum of `name`'s samples whose labels include `labels`."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_the_generation_metrics_carry_the_kv_heads_and_count_the_disconnect(server):
+    """After the tests above: time to first token, inter-token latency and tokens per decoder, and the request
+    whose client went away counted as 499."""
+    url = f"http://127.0.0.1:{server.metrics_port}/metrics"
+    deadline, text = time.monotonic() + 30, ""
+    wanted = {
+        "ray_mha_time_to_first_token_seconds_count": {"model": LM, "kv_heads": "1"},
+        "ray_mha_inter_token_latency_seconds_count": {"model": LONG, "kv_heads": "4"},
+        "ray_mha_generation_tokens_total": {"model": LONG, "kv_heads": "4"},
+        "ray_mha_requests_total": {"model": LONG, "endpoint": "openai_completions", "code": "499"},
+    }
+    while time.monotonic() < deadline:
+        text = httpx.get(url, timeout=10).text
+        if all(_series(text, name, **labels) > 0 for name, labels in wanted.items()):
+            break
+        time.sleep(1)
+    for name, labels in wanted.items():
+        assert _series(text, name, **labels) > 0, (name, labels, re.findall(rf"^{name}.*$", text, re.M)[:5])
+    # the whole completion, the few tokens of the one cancelled, the 8 after it: far from two whole ones
+    assert KV_TOKENS - 1 <= _series(text, "ray_mha_generation_tokens_total", model=LONG) < 2 * (KV_TOKENS - 1)
+
+
+def test_a_stop_ends_a_running_stream_with_a_finish_reason_and_the_server_exits_0(server):
+    """Last in this file: it stops the module's server. SIGTERM under a stream that would outlast limits.drain_s:
+    the stream ends with a readable finish_reason (abort, or length had it finished) and `data: [DONE]`."""
+    with (
+        httpx.Client(base_url=f"http://127.0.0.1:{server.port}", timeout=60) as client,
+        client.stream("POST", "/openai/v1/completions", json=_long(KV_TOKENS - 1, stream=True)) as r,
+    ):
+        lines = r.iter_lines()
+        first = next(lines)
+        stopper = threading.Thread(target=server.terminate)
+        stopper.start()
+        rest = [line for line in lines if line.startswith("data: ")]
+    stopper.join()
+    assert rest[-1] == "data: [DONE]", rest[-3:]
+    chunks = [json.loads(line[len("data: ") :]) for line in [first, *rest[:-1]]]
+    reasons = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    print(f"the stream's finish_reason after SIGTERM: {reasons[-1]} after {len(reasons)} chunks")
+    assert reasons[-1] in ("abort", "length") and all(reason is None for reason in reasons[:-1])
+    assert server._proc is not None and server._proc.returncode == 0, server.log()[-2000:]
