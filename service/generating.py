@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from service.errors import BadRequestError
-from service.generate import GenerateRequest, GenerationEngine, TokenStream
+from service.errors import BadRequestError, ModelFileError, NotReadyError
+from service.generate import GenerateRequest, GenerationEngine, GenerationSettings, TokenStream
 from service.inference import ModelStatus
 
 GENERATION_ROUTES = "/openai/v1/completions or /v2/models/{name}/generate"
@@ -24,16 +24,30 @@ class ColocatedDecoder:
     placement = "colocated"
     generates = True
 
-    def __init__(self, engine: GenerationEngine) -> None:
-        self.name = engine.name
-        self.engine = engine
-        meta, runtime = engine.meta, engine.runtime
-        self._status = ModelStatus(self.name, True, runtime.reason, runtime.backend, runtime.threads, meta)
+    def __init__(self, name: str, engine: GenerationEngine | None, error: str = "") -> None:
+        """`engine` None: the decoder could not be loaded (`error` says why); it is served as not ready."""
+        self.name, self.engine = name, engine
+        if engine is None:
+            self._status = ModelStatus(name, False, error)
+        else:
+            runtime = engine.runtime
+            self._status = ModelStatus(name, True, runtime.reason, runtime.backend, runtime.threads, engine.meta)
+
+    @classmethod
+    def open(cls, models_dir: str, name: str, settings: GenerationSettings) -> ColocatedDecoder:
+        """The decoder's engine, loaded (blocks); a broken folder, or a KV budget that cannot hold one context,
+        leaves it not ready, saying why, as a classifier's broken file does (BackendError is raised)."""
+        try:
+            return cls(name, GenerationEngine.open(models_dir, name, settings))
+        except (ModelFileError, ValueError) as exc:
+            return cls(name, None, str(exc))
 
     async def status(self) -> ModelStatus:
         return self._status
 
     def submit(self, request: GenerateRequest) -> TokenStream:
+        if self.engine is None:  # admission refuses a model that is not ready first
+            raise NotReadyError(f"model {self.name!r} is not ready: {self._status.reason}")
         return self.engine.submit(request)
 
     async def infer(self, ids: np.ndarray, mask: np.ndarray, alone: bool = False):
@@ -49,11 +63,15 @@ class ColocatedDecoder:
         raise not_a_classifier(self.name)
 
     async def drain(self, grace_s: float) -> None:
-        await self.engine.drain(max(0.0, grace_s))
+        if self.engine is not None:
+            await self.engine.drain(max(0.0, grace_s))
 
     def busy(self) -> bool:
+        if self.engine is None:
+            return False
         state = self.engine.state()
         return bool(state.running or state.waiting)
 
     def close(self) -> None:
-        self.engine.close()
+        if self.engine is not None:
+            self.engine.close()

@@ -17,7 +17,6 @@ from service.coalescer import Coalescer
 from service.config import AppConfig
 from service.dataplane import DataPlane
 from service.engine import EngineSettings, ModelEngine
-from service.generate import GenerationEngine
 from service.generating import ColocatedDecoder
 from service.http.api import InferenceFirst, create_app
 from service.http.server import HttpServer
@@ -56,7 +55,7 @@ def open_colocated(config: AppConfig, name: str) -> Colocated | ColocatedDecoder
     engine (config.generate) for a decoder."""
     if is_decoder(config.models_dir, name):
         settings = config.generate.settings(config.backend_for(name))
-        return ColocatedDecoder(GenerationEngine.open(config.models_dir, name, settings))
+        return ColocatedDecoder.open(config.models_dir, name, settings)
     processes = config.ingress.process_count() if config.ingress.on_own_ports else 1
     settings = EngineSettings.of(config.settings_for(name), config.backend_for(name), "colocated", processes)
     return Colocated(ModelEngine(config.models_dir, name, settings))

@@ -6,6 +6,7 @@ mid-stream freeing its sequence's KV reservation for the next request."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -24,6 +25,7 @@ from export import decoder_export
 from export.decoder import DecoderConfig, DecoderLM
 from service.config import AppConfig
 from service.generate import GenerationSettings
+from service.generating import ColocatedDecoder
 from service.local import launcher
 from service.local.ports import free_port
 
@@ -209,6 +211,15 @@ def test_the_generate_block_becomes_the_engines_settings():
     assert settings.settings("cpu") == GenerationSettings(kv_cache_tokens=128, max_running=4, backend="cpu")
     with pytest.raises(ValueError, match="max_waiting"):
         AppConfig.model_validate({"generate": {"max_waiting": 0}})
+
+
+def test_a_decoder_that_cannot_load_is_served_as_not_ready_saying_why(server):
+    settings = GenerationSettings(kv_cache_tokens=32, threads=1)  # less than one context of 64
+    placement = ColocatedDecoder.open(server.config["models_dir"], LM, settings)
+    status = asyncio.run(placement.status())
+    assert not status.ready and "cannot hold one context of 64 tokens" in status.reason
+    assert not placement.busy()
+    placement.close()
 
 
 def _series(text: str, name: str, **labels: str) -> float:
