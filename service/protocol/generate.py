@@ -9,6 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from contract.decoder_metadata import DecoderMetadata
 from service.generate import ABORT, CANCELLED, EOS, LENGTH, STOP, GenerateRequest, SamplingParams, TokenEvent
 from service.inference import MODEL_VERSION
 
@@ -71,3 +72,24 @@ class GenerateResponse(BaseModel):
     text_output: str
     id: str | None = None
     details: GenerateDetails | None = None
+
+
+def decoder_metadata(meta: DecoderMetadata, platform: str) -> dict[str, Any]:
+    """A decoder's v2 metadata (v2.model_metadata's, for a decoder): the generate extension's text_input and
+    text_output, its head configuration and context length."""
+    params = {k: getattr(meta, k) for k in ("heads", "kv_heads", "head_dim", "d_model", "layers", "vocab_size")}
+    return {
+        "name": meta.name,
+        "versions": [MODEL_VERSION],
+        "platform": platform,
+        "inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1]}],
+        "outputs": [{"name": "text_output", "datatype": "BYTES", "shape": [1]}],
+        "parameters": {
+            **params,
+            "arch": meta.arch,
+            "precision": meta.precision,
+            "max_len": meta.max_len,
+            "context_length": meta.max_len,
+            "generate": "POST /v2/models/{name}/generate, /generate_stream; /openai/v1/completions",
+        },
+    }

@@ -17,6 +17,7 @@ from contract.decoder_metadata import DecoderMetadata
 from contract.metadata import ATTENTION_MASK, CLASSIFIER, INPUT_IDS, LOGITS, ModelMetadata
 from service.errors import BadRequestError
 from service.inference import MODEL_VERSION, InferenceRequest
+from service.protocol.generate import decoder_metadata
 from service.validation import MASK_VALUE, Bounds, Schema, int_matrix
 
 TEXT = "text"
@@ -265,7 +266,7 @@ def model_metadata(meta: ModelMetadata | DecoderMetadata) -> dict[str, Any]:
     """v2 model metadata (tritonclient's get_model_metadata reads it); -1 marks dynamic dimensions. A decoder's
     says so (`arch`) and names its generate routes' text input and output."""
     if isinstance(meta, DecoderMetadata):
-        return decoder_metadata(meta)
+        return decoder_metadata(meta, PLATFORM)
     return {
         "name": meta.name,
         "versions": [MODEL_VERSION],
@@ -286,25 +287,5 @@ def model_metadata(meta: ModelMetadata | DecoderMetadata) -> dict[str, Any]:
             "labels": list(meta.labels),
             "text_input": f"{TEXT} (BYTES [-1]) instead of {INPUT_IDS}/{ATTENTION_MASK}" if meta.takes_text else "",
             "arch": CLASSIFIER,
-        },
-    }
-
-
-def decoder_metadata(meta: DecoderMetadata) -> dict[str, Any]:
-    """A decoder's v2 metadata: the generate extension's text_input and text_output, its head configuration."""
-    params = {k: getattr(meta, k) for k in ("heads", "kv_heads", "head_dim", "d_model", "layers", "vocab_size")}
-    return {
-        "name": meta.name,
-        "versions": [MODEL_VERSION],
-        "platform": PLATFORM,
-        "inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1]}],
-        "outputs": [{"name": "text_output", "datatype": "BYTES", "shape": [1]}],
-        "parameters": {
-            **params,
-            "arch": meta.arch,
-            "precision": meta.precision,
-            "max_len": meta.max_len,
-            "context_length": meta.max_len,
-            "generate": "POST /v2/models/{name}/generate, /generate_stream; /openai/v1/completions",
         },
     }
