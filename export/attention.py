@@ -144,8 +144,17 @@ class MultiHeadAttention(nn.Module):
         # enable_gqa: query head i reads key/value head i // (h // kv), as _repeat_kv spells out; exported at opset
         # 23 as one ONNX Attention node that takes the kv heads as they are (no repeated copy of the cache)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.kv_heads != self.h)  # (B, h, T, hs)
+        if self.head_gate is not None:  # scoring or masking a decoder's query heads (export/lm_importance.py)
+            y = y * self.head_gate.reshape(-1, self.h, 1, 1)  # (B, h, T, hs) x (B or 1, h, 1, 1)
         y = y.transpose(1, 2).reshape(B, T, self.inner_dim)  # (B, T, h*hs)
         return self.out(y), k, v
+
+    def cached_weights(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The weights (B, h, T, T) forward_cached applies to T tokens with no cache (mask: cache_mask's
+        (B, 1, T, T)), by the readable path; query head i reads key/value head i // (h // kv_heads)."""
+        q, k, v = self._project(x)  # (B, h, T, hs), 2 x (B, kv, T, hs)
+        _, weights = self._manual_attention(q, self._repeat_kv(k), self._repeat_kv(v), mask, 0.0)
+        return weights
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The fused projection split into heads: q (B, h, T, hs), k and v (B, kv, T, hs)."""

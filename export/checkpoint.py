@@ -59,9 +59,15 @@ def load_checkpoint(folder: Path) -> Checkpoint:
     if not config_path.is_file():
         raise CheckpointError(f"{folder} is not a model folder (no {CONFIG_FILE}); pass a folder under models/")
     try:
-        task = json.loads(config_path.read_text()).get("task", "")
+        record = json.loads(config_path.read_text())
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"cannot read {config_path}: {exc}") from exc
+    if record.get("arch") == "decoder":
+        raise CheckpointError(
+            f"{folder.name} is a decoder (language model): pruning applies to classifiers only for now (a decoder's "
+            f"query heads share key/value heads in groups); `mha-serving heads --model {folder}` scores its heads"
+        )
+    task = record.get("task", "")
     if not task:
         raise CheckpointError(
             f"{folder.name} is untrained (exported by `mha-serving export`, no task); train one with "

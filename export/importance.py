@@ -28,7 +28,8 @@ class HeadScore:
     importance: float  # normalised within the layer (l2 norm 1 over its heads)
     raw_importance: float  # mean over examples of |dL/d gate|
     masked_loss: float  # validation loss with this head alone masked
-    masked_acc: float
+    masked_acc: float  # a decoder's: next-token accuracy
+    kv_head: int | None = None  # a decoder's: the key/value head this query head shares
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,8 @@ class HeadReport:
     base_loss: float  # validation loss with every head
     base_acc: float
     scores: tuple[HeadScore, ...]  # layer by layer, head by head
+    unit: str = "examples"  # what `examples` counts
+    arch: str = "classifier"  # or "decoder": losses per token, accuracy of the next token
 
 
 @contextlib.contextmanager

@@ -1,7 +1,8 @@
 """`mha-serving sweep`: train every head count on one task with every other setting fixed, several seeds each, export
 each h once, time them all (ONNX Runtime in-process, or a running service with --url; --retime times an earlier
 sweep's models again without training) and report quality versus latency. In-process, each exported model also gets
-an int8 twin (dynamic quantization), measured on the same validation split and timed in the same rounds.
+an int8 twin (dynamic quantization), measured on the same validation split and timed in the same rounds. With
+--task docs-lm it sweeps decoders over h and kv_heads instead (export/lm_sweep.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import torch
 
 from contract.metadata import CONFIG_FILE
 from export.convert import ExportError
+from export.docs_corpus import CORPUS
+from export.lm_sweep import check_lm_options, lm_sweep
 from export.parity import ParityError
 from export.quantize import GateSettings, QuantizeError, cpu_flags, gate_data, plan_int8, source_metadata
 from export.sweep_report import Run, summarize, write_report
@@ -42,13 +45,13 @@ class SweepError(ValueError):
     """A sweep option that cannot work: a malformed head list, a head count that does not fit d_model, no service."""
 
 
-def parse_heads(text: str) -> list[int]:
+def parse_heads(text: str, flag: str = "--heads") -> list[int]:
     try:
         heads = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise SweepError(f"--heads must be a comma-separated list of integers, got {text!r}") from None
+        raise SweepError(f"{flag} must be a comma-separated list of integers, got {text!r}") from None
     if not heads or any(h < 1 for h in heads) or len(set(heads)) != len(heads):
-        raise SweepError(f"--heads needs distinct integers >= 1, got {text!r}")
+        raise SweepError(f"{flag} needs distinct integers >= 1, got {text!r}")
     return sorted(heads)
 
 
@@ -142,10 +145,17 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="no training: time the models of the earlier sweep in --out again (e.g. with --url once they are served)",
     )
+    parser.add_argument(
+        "--kv-heads", default=None, help=f"{CORPUS}: key/value heads to compare at the largest --heads (e.g. 1,2,4,8)"
+    )
+    parser.add_argument("--max-len", type=int, default=None, help=f"{CORPUS}: context length (default 128)")
     args = parser.parse_args(argv)
     if args.seeds < 1 or args.repeats < 1:
         raise SweepError(f"--seeds and --repeats must be >= 1, got {args.seeds} and {args.repeats}")
     args.heads = parse_heads(args.heads)
+    if args.kv_heads is not None:
+        args.kv_heads = parse_heads(args.kv_heads, "--kv-heads")
+    check_lm_options(args)
     if args.out is None:
         args.out = Path("runs") / f"{args.task}-d{args.d_model}"
     return args
@@ -181,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = _parse(argv)
         torch.set_num_threads(max(1, args.threads))
+        if args.task == CORPUS:
+            return lm_sweep(args)
         if args.retime:
             runs, settings = _earlier_sweep(args.out)
             task = get_task(str(settings["task"]))
