@@ -10,8 +10,8 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from service.attention_api import AttentionRequest
-from service.config import Route
 from service.protocol import binary, repository, simple, v2
+from service.route_config import Route
 from service.validation import Bounds, Schema
 
 REF = "#/components/schemas/{model}"

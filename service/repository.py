@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from service import serve_control
-from service.config import AppConfig, Route
+from service.config import AppConfig
 from service.errors import (
     BadRequestError,
     ConflictError,
@@ -33,6 +33,7 @@ from service.errors import (
 )
 from service.model_store import find_models
 from service.placement import ModelPlacement
+from service.route_config import Route
 from service.routes import RouteConfigError, RouteTable
 from service.served_models import ServedModels, shortened
 

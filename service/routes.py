@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from service.config import ROUTE_NAME, Route
+from service.route_config import ROUTE_NAME, Route
 
 ROUTE_KEY = "x-route-key"  # HTTP header (gRPC: metadata key) pinning a request to a target for the same weights
 

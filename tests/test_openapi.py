@@ -13,12 +13,13 @@ import pytest
 from serving import refs, resolved
 
 from contract.metadata import ModelMetadata
-from service.config import ROUTE_NAME, RequestLimits
+from service.config import RequestLimits
 from service.http.api import create_app
 from service.http.api import document as build_document
 from service.http.repository import TOKEN_SCHEME
 from service.protocol import binary
 from service.repository_settings import RepositorySettings
+from service.route_config import ROUTE_NAME
 from service.validation import Bounds
 
 ERROR = {"$ref": "#/components/schemas/ErrorBody"}

@@ -22,8 +22,8 @@ from serving import deployed, free_port, serve_process, v2_tensor
 from benchmarks.harness.processes import descendants_named
 from contract.rpc import inference_pb2 as pb
 from contract.rpc import inference_pb2_grpc as pb_grpc
-from service.config import Route
 from service.local import launcher
+from service.route_config import Route
 from service.routes import ROUTE_KEY, RoutePlan
 from service.shadow import compare
 

@@ -17,7 +17,6 @@ from fastapi.responses import Response
 from fastapi.security import APIKeyHeader
 
 from service import openapi
-from service.config import ROUTE_NAME, Route
 from service.errors import ServiceError
 from service.http.inference import BodyT, parse_body
 from service.http.limits import read_body
@@ -33,6 +32,7 @@ from service.protocol.repository import (
 )
 from service.repository import Repository
 from service.responses import json_response
+from service.route_config import ROUTE_NAME, Route
 
 logger = logging.getLogger(__name__)
 PREFIX = "/v2/repository/"
