@@ -13,6 +13,7 @@ from contract.decoder_metadata import DecoderMetadata
 from contract.metadata import config_name
 from contract.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
 from export.attention import MultiHeadAttention, cache_mask, resolve_head_dim, resolve_kv_heads
+from export.model import MLP
 
 KVCache = tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer (key, value), each (B, kv, P, hs)
 
@@ -91,17 +92,6 @@ class DecoderConfig:
 def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """position_ids (B, S) of a left-padded batch, as Hugging Face computes them: cumsum(mask) - 1, 0 at padding."""
     return (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)  # (B, S)
-
-
-class MLP(nn.Module):
-    def __init__(self, config: DecoderConfig) -> None:
-        super().__init__()
-        self.fc = nn.Linear(config.d_model, config.resolved_ff_dim)
-        self.proj = nn.Linear(config.resolved_ff_dim, config.d_model)
-        self.drop = nn.Dropout(config.dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.proj(nn.functional.gelu(self.fc(x))))
 
 
 class DecoderBlock(nn.Module):

@@ -22,8 +22,6 @@ from contract.metadata import (
     INPUT_IDS,
     MODEL_FILE,
     TRAINING_FILE,
-    MetadataError,
-    ModelMetadata,
 )
 from contract.tokenizer import VOCAB_SIZE
 from export import onnx_file
@@ -37,6 +35,7 @@ from export.quantize import (
     gpu_providers,
     open_session,
     plan_int8,
+    read_source,
     to_fp16,
     to_int8,
     variant_name,
@@ -115,22 +114,6 @@ class DecoderVariantResult:
     file_bytes: int
     source_bytes: int
     seconds: float
-
-
-def read_source(folder: Path) -> ModelMetadata | DecoderMetadata:
-    """The metadata of the fp32 model (classifier or decoder) in `folder`; QuantizeError when it is not one."""
-    path = Path(folder) / MODEL_FILE
-    if not path.is_file():
-        raise QuantizeError(f"{folder}: no {MODEL_FILE} (export a model first: `mha-serving export`)")
-    try:
-        meta = onnx_file.read_any_metadata(path)
-    except MetadataError as exc:
-        raise QuantizeError(f"{folder}: {exc}") from exc
-    if meta.precision != "fp32":
-        raise QuantizeError(
-            f"{meta.name} is already {meta.precision}: make variants from its fp32 source {meta.quantized_from!r}"
-        )
-    return meta
 
 
 def decoder_source(folder: Path) -> DecoderMetadata:

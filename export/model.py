@@ -96,6 +96,9 @@ class EncoderConfig:
 
 
 class MLP(nn.Module):
+    """The feed-forward half of a block, for any config with d_model, resolved_ff_dim and dropout (the encoder's and
+    the decoder's)."""
+
     def __init__(self, config: EncoderConfig) -> None:
         super().__init__()
         self.fc = nn.Linear(config.d_model, config.resolved_ff_dim)

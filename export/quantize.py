@@ -24,6 +24,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from contract.decoder_metadata import DecoderMetadata
 from contract.metadata import CONFIG_FILE, MODEL_FILE, TRAINING_FILE, MetadataError, ModelMetadata
 from contract.tokenizer import NUM_SPECIAL, ByteTokenizer
 from export import onnx_file
@@ -174,19 +175,27 @@ def variant_name(source: str, precision: str) -> str:
     return f"{source}-{precision}"
 
 
-def source_metadata(folder: Path) -> ModelMetadata:
-    """The metadata of the fp32 model in `folder`; QuantizeError when it is not one."""
+def read_source(folder: Path) -> ModelMetadata | DecoderMetadata:
+    """The metadata of the fp32 model (classifier or decoder) in `folder`; QuantizeError when it is not one."""
     path = Path(folder) / MODEL_FILE
     if not path.is_file():
         raise QuantizeError(f"{folder}: no {MODEL_FILE} (export a model first: `mha-serving export`)")
     try:
-        meta = onnx_file.read_metadata(path)
+        meta = onnx_file.read_any_metadata(path)
     except MetadataError as exc:
         raise QuantizeError(f"{folder}: {exc}") from exc
     if meta.precision != "fp32":
         raise QuantizeError(
             f"{meta.name} is already {meta.precision}: make variants from its fp32 source {meta.quantized_from!r}"
         )
+    return meta
+
+
+def source_metadata(folder: Path) -> ModelMetadata:
+    """The metadata of the fp32 classifier in `folder`; QuantizeError when it is not one."""
+    meta = read_source(folder)
+    if not isinstance(meta, ModelMetadata):
+        raise QuantizeError(f"{meta.name} is a decoder, not a classifier")
     return meta
 
 

@@ -19,7 +19,6 @@ from export.decoder_quantize import (
     DecoderVariantResult,
     decoder_source,
     make_decoder_variant,
-    read_source,
 )
 from export.quantize import (
     MODES,
@@ -33,6 +32,7 @@ from export.quantize import (
     cpu_flags,
     make_variant,
     plan_int8,
+    read_source,
     source_metadata,
     variant_name,
 )
