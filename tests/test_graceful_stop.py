@@ -151,14 +151,15 @@ def test_sigterm_answers_every_request_sent_on_kept_alive_connections_and_turns_
         f"{stop_s:.1f} s"
     )
     assert [o.lost for o in http_out] == [[]] * CLIENTS, log[-3000:]
-    # gRPC core cancels the calls its transport has taken but not yet handed to the server's handlers when the server
-    # stops: a client sending back to back may lose one there, CANCELLED, as the port closes (never before it).
-    closed = min(o.ended_at for o in http_out)  # the first HTTP client refused: the ports closed
+    # gRPC core cancels the calls its transport has taken but not yet handed to the server's handlers when a process
+    # closes its port: a client sending back to back may lose one there, CANCELLED, never before the stop.
     for o in grpc_out:
         assert all(lost == "CANCELLED: CANCELLED" for lost in o.lost), o.lost
-        assert not o.lost or o.ended_at > closed - 0.5, (o.ended_at - start, closed - start)
+        assert not o.lost or o.ended_at > start, o.ended_at - start
     assert all(o.answered for o in http_out + grpc_out)  # every client was served before and during the stop
     assert server.returncode == 0, log[-3000:]
-    assert len(first_503) == 2 and all(t is not None for t in first_503.values()), seen  # both processes turned
-    # Serve's redeploy turned a process in ~1.5 s or more; the stop notice in milliseconds (the figure is printed)
-    assert all(t is None or t < 1.0 for t in last_ready.values()), seen
+    # Each process answers 503 from the notice on, until its port closes (at once where it had nothing in progress:
+    # new connections then reach the other). Through Serve's redeploy alone a process turned after 0.7-1.3 s; the
+    # notice takes milliseconds (the figures are printed).
+    assert any(t is not None for t in first_503.values()), seen
+    assert all(t is None or t < 0.5 for t in last_ready.values()), seen
