@@ -252,7 +252,7 @@ def _under_load(server: Server, plan: RolloutPlan):
 
 
 def test_an_agreeing_candidate_is_promoted_step_by_step_with_no_request_failed(server):
-    plan = RolloutPlan(ROLLOUT_ROUTE, TWIN, steps_pct=(50.0, 100.0), hold_s=3.0, min_rows=20, min_agreement=0.99)
+    plan = RolloutPlan(ROLLOUT_ROUTE, TWIN, steps_pct=(50.0, 100.0), hold_s=5.0, min_rows=20, min_agreement=0.99)
     result, failures, answered, lines = _under_load(server, plan)
     assert result.promoted, lines
     assert [s.name for s in result.steps] == ["shadow", "50%", "100%"]
@@ -266,7 +266,7 @@ def test_an_agreeing_candidate_is_promoted_step_by_step_with_no_request_failed(s
 def test_a_candidate_below_the_agreement_bar_is_rolled_back_and_the_route_set_back(server):
     before = server.admin.route(ROLLOUT_ROUTE)
     incumbent = next(iter(before["targets"]))
-    plan = RolloutPlan(ROLLOUT_ROUTE, "mha-h4-d32", hold_s=3.0, min_rows=20, min_agreement=0.99)  # untrained, unrelated
+    plan = RolloutPlan(ROLLOUT_ROUTE, "mha-h4-d32", hold_s=5.0, min_rows=20, min_agreement=0.99)  # untrained, unrelated
     result, failures, answered, lines = _under_load(server, plan)
     assert not result.promoted
     assert [s.name for s in result.steps] == ["shadow"]
