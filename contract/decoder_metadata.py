@@ -15,11 +15,10 @@ from contract.metadata import (
     DECODER,
     INPUT_IDS,
     LOGITS,
-    PRECISIONS,
     SCHEMA_VERSION,
-    TOKENIZER_KINDS,
     MetadataError,
     ModelMetadata,
+    identity_problems,
 )
 
 POSITION_IDS = "position_ids"
@@ -91,14 +90,7 @@ class DecoderMetadata:
             for key in ("bos_id", "eos_id", "pad_id"):
                 if getattr(self, key) >= self.vocab_size:
                     problems.append(f"{key}={getattr(self, key)} is not below vocab_size={self.vocab_size}")
-        if self.tokenizer not in TOKENIZER_KINDS:
-            problems.append(f"tokenizer={self.tokenizer!r} is not one of {TOKENIZER_KINDS}")
-        if not self.name or "/" in self.name or self.name.startswith("."):
-            problems.append(f"name={self.name!r} is not a valid model name")
-        if self.precision not in PRECISIONS:
-            problems.append(f"precision={self.precision!r} is not one of {PRECISIONS}")
-        elif (self.precision == "fp32") == bool(self.quantized_from):
-            problems.append(f"precision={self.precision!r} with quantized_from={self.quantized_from!r}")
+        problems += identity_problems(self.name, self.tokenizer, self.precision, self.quantized_from)
         if problems:
             raise MetadataError("inconsistent decoder metadata: " + "; ".join(problems))
 

@@ -40,6 +40,20 @@ _OPTIONAL_KEYS = (  # have defaults; others are required
 _JSON_KEYS = ("labels", "exporter", "layer_heads", "removed_heads", "quantization")  # stored as JSON in metadata_props
 
 
+def identity_problems(name: str, tokenizer: str, precision: str, quantized_from: str) -> list[str]:
+    """What is wrong with the keys every model file has, classifier or decoder: its name, tokenizer and precision."""
+    problems = []
+    if tokenizer not in TOKENIZER_KINDS:
+        problems.append(f"tokenizer={tokenizer!r} is not one of {TOKENIZER_KINDS}")
+    if not name or "/" in name or name.startswith("."):
+        problems.append(f"name={name!r} is not a valid model name")
+    if precision not in PRECISIONS:
+        problems.append(f"precision={precision!r} is not one of {PRECISIONS}")
+    elif (precision == "fp32") == bool(quantized_from):
+        problems.append(f"precision={precision!r} with quantized_from={quantized_from!r}")
+    return problems
+
+
 class MetadataError(ValueError):
     """An ONNX file's metadata is missing a key, holds a malformed value, or contradicts itself."""
 
@@ -95,14 +109,7 @@ class ModelMetadata:
                 problems.append(f"{key}={value!r} must be an integer >= 1")
         if len(self.labels) != self.num_classes:
             problems.append(f"{len(self.labels)} labels for num_classes={self.num_classes}")
-        if self.tokenizer not in TOKENIZER_KINDS:
-            problems.append(f"tokenizer={self.tokenizer!r} is not one of {TOKENIZER_KINDS}")
-        if not self.name or "/" in self.name or self.name.startswith("."):
-            problems.append(f"name={self.name!r} is not a valid model name")
-        if self.precision not in PRECISIONS:
-            problems.append(f"precision={self.precision!r} is not one of {PRECISIONS}")
-        elif (self.precision == "fp32") == bool(self.quantized_from):
-            problems.append(f"precision={self.precision!r} with quantized_from={self.quantized_from!r}")
+        problems += identity_problems(self.name, self.tokenizer, self.precision, self.quantized_from)
         problems += self._pruning_problems()
         if problems:
             raise MetadataError("inconsistent model metadata: " + "; ".join(problems))
