@@ -113,13 +113,6 @@ class DataPlane:
         return await self.models.listing()
 
     # ---- inference ----
-    async def infer(
-        self, endpoint: Endpoint, name: str, request: InferenceRequest, route_key: str | None = None
-    ) -> InferenceResult:
-        """One decoded request to a model or a route."""
-        async with self.admit(endpoint, name, route_key) as call:
-            return await call.infer(request)
-
     @contextlib.asynccontextmanager
     async def admit(
         self, endpoint: Endpoint, name: str, route_key: str | None = None, version: str | None = None

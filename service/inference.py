@@ -34,7 +34,6 @@ class InferenceRequest:
     mask: np.ndarray | None = None  # (B, T) int64, 1 token / 0 padding
     texts: list[str] | None = None
     outputs: tuple[str, ...] = ()  # output names asked for; empty: every output
-    id: str | None = None  # the client's request id, echoed
 
 
 @dataclass(frozen=True, slots=True)

@@ -231,14 +231,14 @@ def to_request(request: InferRequest) -> InferenceRequest:
         data = text.data if isinstance(text.data, list) else [text.data]
         if len(text.shape) != 1 or text.shape[0] != len(data):
             raise BadRequestError(f"input {TEXT!r}: shape {text.shape} does not match {len(data)} strings")
-        return InferenceRequest(texts=data, outputs=outputs, id=request.id)
+        return InferenceRequest(texts=data, outputs=outputs)
     ids = _tensor(inputs, INPUT_IDS, "INT64")
     if ids is None:
         raise BadRequestError(f"input {INPUT_IDS!r} is missing (or send {TEXT!r})")
     mask = _tensor(inputs, ATTENTION_MASK, "INT64")
     ids_m = int_matrix(INPUT_IDS, ids.data, ids.shape)
     mask_m = int_matrix(ATTENTION_MASK, mask.data, mask.shape) if mask is not None else None
-    return InferenceRequest(ids_m, mask_m, outputs=outputs, id=request.id)
+    return InferenceRequest(ids_m, mask_m, outputs=outputs)
 
 
 def response_head(name: str, request: InferRequest) -> dict[str, Any]:
