@@ -12,20 +12,32 @@ import pytest
 
 from service.config import RequestLimits
 from service.errors import ModelNotFoundError
-from service.http.api import InferenceFirst
+from service.http.api import INFERENCE_ROUTES, HandledRoute, InferenceFirst
 
 
-def _client(admit) -> tuple[httpx.AsyncClient, list[tuple[str, str]]]:
-    passed: list[tuple[str, str]] = []
+class Behind:
+    """The application behind: holds the inference routes as the FastAPI application registers them, and records
+    every request that reaches it."""
 
-    async def app(scope, receive, send) -> None:  # the application behind: records what reached it
-        passed.append((scope["method"], scope["path"]))
+    def __init__(self, plane) -> None:
+        self.routes = [HandledRoute(route, plane) for route in INFERENCE_ROUTES]
+        self.passed: list[tuple[str, str]] = []
+
+    async def __call__(self, scope, receive, send) -> None:
+        self.passed.append((scope["method"], scope["path"]))
         await send({"type": "http.response.start", "status": 299, "headers": []})
         await send({"type": "http.response.body", "body": b""})
 
+
+def _first(admit) -> InferenceFirst:
     plane = SimpleNamespace(limits=RequestLimits(), admit=admit)
-    transport = httpx.ASGITransport(app=InferenceFirst(app, plane), raise_app_exceptions=False)
-    return httpx.AsyncClient(transport=transport, base_url="http://test"), passed
+    return InferenceFirst(Behind(plane), plane)
+
+
+def _client(admit) -> tuple[httpx.AsyncClient, list[tuple[str, str]]]:
+    app = _first(admit)
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    return httpx.AsyncClient(transport=transport, base_url="http://test"), app.app.passed
 
 
 def _not_found(kind, name, *rest):
@@ -74,8 +86,7 @@ def test_an_unexpected_error_is_a_json_500_and_is_raised_on_for_the_server_to_lo
             assert answer.status_code == 500 and answer.json() == {"error": "internal error: KeyError: 'boom'"}
 
     asyncio.run(run())
-    app = InferenceFirst(None, SimpleNamespace(limits=RequestLimits(), admit=broken))
-    transport = httpx.ASGITransport(app=app)  # raise_app_exceptions: what the server sees
+    transport = httpx.ASGITransport(app=_first(broken))  # raise_app_exceptions: what the server sees
 
     async def raised():
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:

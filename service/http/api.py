@@ -4,7 +4,6 @@ one mapping of errors to responses; request limits as middleware. No torch.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -90,8 +89,10 @@ def allowed_methods(app: FastAPI, scope: dict[str, Any]) -> list[str]:
 
 @dataclass(frozen=True)
 class InferenceRoute:
-    """An inference route: served as a plain Starlette route (its handler reads the path itself, so FastAPI solves
-    no parameters per request on the hottest path) and documented as a FastAPI route of the same path and name."""
+    """An inference route, declared once: registered as a FastAPI route that documents itself (path parameters,
+    body, answer, errors) but answers through `handle`, which reads the path itself, so that FastAPI solves no
+    parameters per request on the hottest path; the ingress's own server matches the same registered routes ahead
+    of the middleware stack (InferenceFirst)."""
 
     name: str
     path: str
@@ -125,19 +126,55 @@ INFERENCE_ROUTES = (
 )
 
 
+# The path parameters of the inference routes, as FastAPI documents them (no docstring: it would be the description).
+def _named(name: str) -> None: ...
+
+
+def _versioned(name: str, version: str) -> None: ...
+
+
+class HandledRoute(APIRoute):
+    """An APIRoute answered by its InferenceRoute's `handle` (FastAPI's custom route class hook,
+    `get_route_handler`) instead of its documented endpoint."""
+
+    def __init__(self, route: InferenceRoute, plane: DataPlane) -> None:
+        self.answer, self.plane = route.handle, plane  # not `handle`: Starlette's routes have a method of that name
+        binary = route.body is v2.InferRequest
+        super().__init__(
+            route.path,
+            _versioned if "{version}" in route.path else _named,
+            methods=["POST"],
+            name=route.name,
+            openapi_extra=openapi.binary_request() if binary else openapi.request_body(route.body),
+            responses=openapi.responses(route.answer, 404, 503, *openapi.WITH_BODY, binary_answer=binary),
+        )
+
+    def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
+        handle, plane = self.answer, self.plane
+
+        async def answer(request: Request) -> Response:
+            return await handle(plane, request, request.path_params)
+
+        return answer
+
+
+def _inference_routes(app: FastAPI, plane: DataPlane) -> None:
+    app.router.routes.extend(HandledRoute(route, plane) for route in INFERENCE_ROUTES)
+
+
 class InferenceFirst:
-    """The ingress's own server's application: INFERENCE_ROUTES answered ahead of FastAPI's middleware stack and
-    router (the six layers each request otherwise crosses), with the same limits check, handlers and error mapping;
-    every other request, and any other method on these paths, goes to `app`."""
+    """The ingress's own server's application: the inference routes (HandledRoute) answered ahead of FastAPI's
+    middleware stack and router (the six layers each request otherwise crosses), with the same limits check,
+    handlers and error mapping; every other request, and any other method on these paths, goes to `app`."""
 
     def __init__(self, app: FastAPI, plane: DataPlane) -> None:
         self.app, self.plane = app, plane
-        self._routes = [(re.compile(re.sub(r"{(\w+)}", r"(?P<\1>[^/]+)", r.path)), r.handle) for r in INFERENCE_ROUTES]
+        self._routes = [(r.path_regex, r.answer) for r in app.routes if isinstance(r, HandledRoute)]
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
             for pattern, handle in self._routes:
-                if (match := pattern.fullmatch(scope["path"])) is not None:
+                if (match := pattern.match(scope["path"])) is not None:
                     return await self._answer(handle, match.groupdict(), scope, receive, send)
         await self.app(scope, receive, send)
 
@@ -152,41 +189,6 @@ class InferenceFirst:
                 return
             raise  # a 500, as Starlette's outermost middleware does: answered, then the server logs it and closes
         await response(scope, receive, send)
-
-
-def _inference_routes(app: FastAPI, plane: DataPlane) -> None:
-    for route in INFERENCE_ROUTES:
-
-        async def endpoint(request: Request, handle=route.handle) -> Response:
-            return await handle(plane, request, request.path_params)
-
-        app.add_route(route.path, endpoint, methods=["POST"], name=route.name)
-
-
-# The path parameters of the inference routes, for their OpenAPI entries (no docstring: it would be the description).
-def _named(name: str) -> None: ...
-
-
-def _versioned(name: str, version: str) -> None: ...
-
-
-def _inference_docs() -> list[APIRoute]:
-    """INFERENCE_ROUTES as FastAPI documents routes: path parameters, request body, answer and errors (v2 infer's
-    with the binary tensor data extension)."""
-    docs = []
-    for route in INFERENCE_ROUTES:
-        binary = route.body is v2.InferRequest
-        docs.append(
-            APIRoute(
-                route.path,
-                _versioned if "{version}" in route.path else _named,
-                methods=["POST"],
-                name=route.name,
-                openapi_extra=openapi.binary_request() if binary else openapi.request_body(route.body),
-                responses=openapi.responses(route.answer, 404, 503, *openapi.WITH_BODY, binary_answer=binary),
-            )
-        )
-    return docs
 
 
 def _v2_routes(app: FastAPI, plane: DataPlane) -> None:
@@ -254,8 +256,7 @@ def _v1_routes(app: FastAPI, plane: DataPlane) -> None:
 def document(app: FastAPI, models: list[str], bounds: Bounds, route_names: list[str] = ()) -> dict[str, Any]:
     """FastAPI's document of the routes, completed (service/openapi.py) with the request bodies within `bounds`
     (and the model repository API's, where it is mounted) and the names served: `models`, then `route_names`."""
-    routes = [*_inference_docs(), *app.routes]
-    built = get_openapi(title=app.title, version=app.version, description=app.description, routes=routes)
+    built = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
     bodies = openapi.request_schemas(bounds) | openapi.generation_schemas()
     if any(getattr(r, "path", "").startswith(http_repository.PREFIX) for r in app.routes):
         bodies |= openapi.repository_schemas(models)
