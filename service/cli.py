@@ -12,7 +12,7 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "export": ("export.cli", "export head configurations to ONNX (needs the `export` extra: torch)"),
     "serve": ("service.local.launcher", "serve exported models with Ray Serve on an embedded local Ray"),
-    "up": ("service.local.up", "export the default head configurations if missing, then serve them"),
+    "up": ("service.local.up", "export the default models and train the first decoder if missing, then serve them"),
     "quantize": ("export.quantize_cli", "int8 (or fp16) variants of exported models, each behind a quality gate"),
     "loadtest": ("loadtest.cli", "bounded load against a running service, per head configuration"),
     "train": ("export.train_cli", "train one head configuration on a built-in task and export it (needs torch)"),

@@ -144,6 +144,30 @@ def test_up_finds_which_default_models_are_missing(tiny_models_dir, tmp_path):
     assert "mha-h8-d512" not in up.missing_models(tmp_path)
 
 
+def test_up_trains_the_first_decoder_on_the_docs_corpus_when_it_is_missing_in_a_subprocess(tmp_path):
+    assert up.DECODER == "lm-h4-kv1-d64" and up.decoder_missing(tmp_path)
+    cmd = up.train_command(tmp_path)
+    assert cmd[:4] == [sys.executable, "-m", "service.cli", "train"]  # torch stays out of the serving process
+    options = dict(zip(cmd[4::2], cmd[5::2], strict=True))
+    assert options == {
+        "--task": "docs-lm",
+        "--heads": "4",
+        "--kv-heads": "1",
+        "--d-model": "64",
+        "--layers": "2",
+        "--steps": str(up.LM_STEPS),
+        "--out": str(tmp_path),
+    }
+
+
+@pytest.mark.slow
+def test_ups_training_command_writes_the_decoder_that_up_looks_for(tmp_path):
+    """The command as `up` runs it, with 2 steps instead of its hundreds (a later option wins in argparse)."""
+    done = subprocess.run([*up.train_command(tmp_path), "--steps", "2"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert not up.decoder_missing(tmp_path)
+
+
 @pytest.mark.serve
 @pytest.mark.slow
 def test_serve_starts_through_a_sighup_answers_on_its_port_logs_each_request_and_stops_cleanly_however_many_sigterms(
