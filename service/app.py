@@ -13,8 +13,7 @@ import ray
 from ray.serve.deployment import Application
 
 from service.config import INGRESS_NAME, AppConfig
-from service.deployment import model_deployment
-from service.generation_config import check_decoders
+from service.deployment import decoder_deployment, model_deployment
 from service.ingress import Ingress
 from service.model_store import find_models, is_decoder
 from service.routes import RouteTable
@@ -53,15 +52,16 @@ def build_app(args: AppConfig | dict[str, Any] | None = None) -> Application:
     if ingress.on_own_ports and ingress.processes is None:  # resolved here, once: every replica reads the same
         ingress = ingress.model_copy(update={"processes": ingress.process_count()})
     config = config.model_copy(update={"models_dir": models_dir, "ingress": ingress})
-    decoders = [n for n in names if is_decoder(models_dir, n)]
-    check_decoders(decoders, lambda n: config.settings_for(n).placement)  # co-located in every serving process
-    colocated = [n for n in names if n in decoders or config.placement_for(n, cluster_gpus) == "colocated"]
+    colocated = [n for n in names if config.placement_for(n, cluster_gpus) == "colocated"]
     remote = {}
     for name in (n for n in names if n not in colocated):
         settings, backend = config.settings_for(name), config.backend_for(name)
         n_remote = len(names) - len(colocated)
         gpus = settings.num_gpus if settings.num_gpus is not None else gpu_share(backend, cluster_gpus, n_remote)
-        remote[name] = model_deployment(name, models_dir, backend, settings, gpus)
+        if is_decoder(models_dir, name):
+            remote[name] = decoder_deployment(name, models_dir, settings, config.generate.settings(backend), gpus)
+        else:
+            remote[name] = model_deployment(name, models_dir, backend, settings, gpus)
     ingress = config.ingress
     return Ingress.options(
         name=INGRESS_NAME,

@@ -1,4 +1,5 @@
-"""The per-deployment placement: one Ray Serve deployment per model, holding that model's ModelEngine.
+"""The per-deployment placement: one Ray Serve deployment per model, holding that model's ModelEngine (a
+classifier) or its generation engine (a decoder, streaming its token events back through the handle).
 
 For GPU head configurations, or one that must scale on its own; the ingress reaches it through a Ray call. No torch.
 """
@@ -6,6 +7,7 @@ For GPU head configurations, or one that must scale on its own; the ingress reac
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 
 import numpy as np
 from ray import serve
@@ -15,6 +17,8 @@ from service.attention_api import AttentionResult
 from service.batching import BatchResult
 from service.config import DeploymentSettings
 from service.engine import EngineSettings, ModelEngine, ModelStatus
+from service.generate import GenerateRequest, GenerationSettings, TokenEvent
+from service.generating import ColocatedDecoder
 
 
 @serve.deployment
@@ -57,3 +61,44 @@ def model_deployment(
         health_check_period_s=settings.health_check_period_s,
         **settings.scaling(),
     ).bind(models_dir, name, backend, settings)
+
+
+@serve.deployment
+class DecoderServer:
+    """A replica holding one decoder's generation engine: `generate` streams a request's token events (called
+    through a handle with `stream=True`); the ingress closing that stream (a client gone) cancels the call, which
+    ends the sequence here within a step. A backend that cannot be honoured fails the replica at start."""
+
+    def __init__(self, models_dir: str, name: str, settings: GenerationSettings) -> None:
+        self._decoder = ColocatedDecoder.open(models_dir, name, settings)
+
+    async def status(self) -> ModelStatus:
+        return await self._decoder.status()
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
+        """The request's token events, the last with its finish_reason (the prompt is token ids: the ingress
+        encoded and checked it); its refusal (a ServiceError) is raised before the first."""
+        stream = self._decoder.submit(request)
+        try:
+            async for event in stream:
+                yield event
+        finally:
+            stream.cancel()
+
+    def __del__(self) -> None:
+        self._decoder.close()
+
+
+def decoder_deployment(
+    name: str, models_dir: str, settings: DeploymentSettings, generation: GenerationSettings, num_gpus: float
+) -> Application:
+    """The bound deployment for one decoder folder, named after the model: replicas and resources from its
+    deployment settings, the engine from the `generate` block."""
+    return DecoderServer.options(
+        name=name,
+        ray_actor_options={"num_cpus": settings.num_cpus, "num_gpus": num_gpus},
+        max_ongoing_requests=settings.max_ongoing_requests,
+        max_queued_requests=settings.max_queued_requests,
+        health_check_period_s=settings.health_check_period_s,
+        **settings.scaling(),
+    ).bind(models_dir, name, generation)

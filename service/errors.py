@@ -15,6 +15,18 @@ class ServiceError(Exception):
         """Extra response headers (e.g. Retry-After); none by default."""
         return None
 
+    def __reduce__(self):
+        # Pickled as it is (its message and attributes), not by calling its class again with its message: errors
+        # cross Ray calls from a model's deployment, and several are built from values other than their message.
+        return _restored, (type(self), self.args, self.__dict__)
+
+
+def _restored(cls: type[ServiceError], args: tuple, state: dict) -> ServiceError:
+    error = cls.__new__(cls)
+    error.args = args
+    error.__dict__.update(state)
+    return error
+
 
 class BadRequestError(ServiceError):
     """400: the request is malformed or breaks the model's contract (names, dtypes, shapes, ids, lengths)."""

@@ -4,7 +4,6 @@ process boundary (pydantic), turned into the engine's frozen GenerationSettings.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -12,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 class GenerateConfig(BaseModel):
     """How each decoder's generation engine runs (service/generate/settings.py's GenerationSettings, whose comments
-    give the reasons for the defaults). Decoders are served co-located in every serving process."""
+    give the reasons for the defaults), co-located in every serving process or in a deployment of its own."""
 
     model_config = ConfigDict(extra="forbid")
     kv_cache_mb: float = Field(64.0, gt=0, allow_inf_nan=False, description="the KV cache budget of each decoder")
@@ -32,13 +31,3 @@ class GenerateConfig(BaseModel):
         from service.generate.settings import GenerationSettings
 
         return GenerationSettings(**self.model_dump(), backend=backend)
-
-
-def check_decoders(decoders: list[str], placement_of: Callable[[str], str]) -> None:
-    """ValueError for a decoder whose settings ask for a deployment of its own (not served so yet)."""
-    own = [name for name in decoders if placement_of(name) == "deployment"]
-    if own:
-        raise ValueError(
-            f"decoders {own}: placement 'deployment' is not served yet; decoders run co-located in every "
-            "serving process (placement auto or colocated)"
-        )

@@ -22,6 +22,7 @@ from service.http.api import InferenceFirst, create_app
 from service.http.server import HttpServer
 from service.model_store import is_decoder
 from service.placement import Colocated, ModelPlacement, Remote
+from service.remote_generating import RemoteDecoder
 from service.repository import Repository
 from service.rpc.serve_proxy import add_entry_points
 from service.rpc.server import GrpcServer
@@ -42,6 +43,9 @@ def placements(
     going as one Ray call per group when `ingress.coalesce` is on)."""
     models: dict[str, ModelPlacement] = {name: open_colocated(config, name) for name in colocated}
     for name, handle in remote.items():
+        if is_decoder(config.models_dir, name):
+            models[name] = RemoteDecoder(name, handle)
+            continue
         coalescer = None
         if config.ingress.coalesce:
             settings = config.settings_for(name)

@@ -26,8 +26,6 @@ from export.decoder import DecoderConfig, DecoderLM
 from service.config import AppConfig
 from service.generate import GenerationSettings
 from service.generating import ColocatedDecoder
-from service.local import launcher
-from service.local.ports import free_port
 
 LM = "lm-h4-kv1-d32"  # the tiny decoder: context 64
 LONG = "lm-h4-kv4-d32"  # a decoder with a long context (2048): its streams last seconds, for the disconnect test
@@ -195,15 +193,6 @@ def test_a_client_that_disconnects_mid_stream_frees_its_sequence(server, http):
     assert after.status_code == 200, after.text
     print(f"a whole {KV_TOKENS - 1}-token completion: {full_s:.2f} s; the next after a disconnect: {waited_s:.2f} s")
     assert waited_s < full_s / 2
-
-
-def test_a_decoder_asked_to_run_in_a_deployment_of_its_own_is_refused_in_one_line(server, tmp_path, capsys):
-    config = tmp_path / "serve.yaml"
-    config.write_text(f"overrides:\n  {LM}:\n    placement: deployment\n")
-    models = server.config["models_dir"]
-    assert launcher.main(["--models", models, "--config", str(config), "--port", str(free_port())]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and f"decoders ['{LM}']: placement 'deployment' is not served yet" in err, err
 
 
 def test_the_generate_block_becomes_the_engines_settings():

@@ -18,7 +18,6 @@ from pathlib import Path
 
 from service.config import AppConfig
 from service.errors import ModelFileError
-from service.generation_config import check_decoders
 from service.local import ports, supervisor, systemd_unit
 from service.local.arguments import (
     DEFAULT_METRICS_PORT,
@@ -32,7 +31,7 @@ from service.local.arguments import (
 from service.local.drain import drain_and_stop, stop_ray, stop_signals_interrupt
 from service.local.ray_env import import_ray_for_the_server, set_ray_env
 from service.local.start_report import report
-from service.model_store import find_models, is_decoder
+from service.model_store import find_models
 from service.routes import RouteTable
 from service.stop_notice import StopNotices
 
@@ -86,9 +85,7 @@ def checked(config: AppConfig) -> list[str]:
     names = find_models(config.models_dir, config.models)
     try:
         RouteTable.build(config.routes, names)
-        decoders = [n for n in names if is_decoder(config.models_dir, n)]
-        check_decoders(decoders, lambda n: config.settings_for(n).placement)
-    except ValueError as exc:  # RouteConfigError, or a decoder in a deployment of its own
+    except ValueError as exc:  # RouteConfigError
         raise LaunchError(f"invalid config: {exc}") from exc
     return names
 
@@ -134,11 +131,7 @@ def colocated_models(config: AppConfig, names: list[str]) -> dict[str, int]:
     import ray
 
     gpus = ray.cluster_resources().get("GPU", 0.0)
-    return {
-        name: 0
-        for name in names
-        if is_decoder(config.models_dir, name) or config.placement_for(name, gpus) == "colocated"
-    }
+    return {name: 0 for name in names if config.placement_for(name, gpus) == "colocated"}
 
 
 def serve_logging(opts: LocalServe) -> dict:
