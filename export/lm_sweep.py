@@ -6,9 +6,11 @@ bytes per token; each configuration's seed-0 model exported through the generati
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 from export.convert import ExportError
@@ -21,6 +23,8 @@ from export.parity import ParityError
 PROG = "mha-serving sweep"
 CLASSIFIER_ONLY = ("--retime", "--url", "--attention")  # the decoders' sweep measures quality and cache size only
 UNUSED = ("examples", "url", "repeats", "attention", "no_int8", "retime")  # the classifiers' options, not recorded
+RUNS_FILE = "runs.jsonl"
+RESUMABLE = ("heads", "kv_heads", "seeds", "log_every", "threads", "out")  # what a run found in RUNS_FILE may differ in
 
 
 def check_lm_options(args: argparse.Namespace) -> None:
@@ -79,35 +83,59 @@ def run_record(result: LMTrainResult) -> LMRun:
     )
 
 
-def train_all(args: argparse.Namespace, configs: dict[tuple[int, int], list[LMTrainConfig]]) -> list[LMRun]:
-    """Every configuration, every seed; each configuration's seed-0 model exported to <out>/models."""
+def train_all(
+    args: argparse.Namespace, configs: dict[tuple[int, int], list[LMTrainConfig]], settings: dict[str, object]
+) -> list[LMRun]:
+    """Every configuration, every seed; each configuration's seed-0 model exported to <out>/models. Each run is
+    appended to <out>/runs.jsonl as it ends, and a sweep started again with the same settings skips the runs found
+    there (a sweep of hours on a small machine survives an interruption)."""
     corpus = load_corpus(configs[next(iter(configs))][0].val_fraction)
+    done_runs = finished_runs(args.out / RUNS_FILE, settings)
     runs = []
     total, done = sum(len(per_seed) for per_seed in configs.values()), 0
     for (h, kv), per_seed in configs.items():
         for config in per_seed:
             done += 1
+            if (h, kv, config.seed) in done_runs:
+                print(f"[{done}/{total}] h={h} kv_heads={kv} seed={config.seed}: found in {RUNS_FILE}", flush=True)
+                runs.append(done_runs[h, kv, config.seed])
+                continue
             print(f"[{done}/{total}] h={h} kv_heads={kv} seed={config.seed}", flush=True)
             log = lambda line, h=h, kv=kv: print(f"  h={h} kv={kv} {line}", flush=True)  # noqa: E731
             result = train_lm(config, log=log, corpus=corpus)
-            runs.append(run_record(result))
             if config.seed == 0:
                 exported = export_trained_lm(result, args.out / "models")
                 print(f"  exported {exported.name} (parity max diff {exported.max_diff:.2g})", flush=True)
+            runs.append(run_record(result))
+            with (args.out / RUNS_FILE).open("a") as f:
+                f.write(json.dumps({"settings": settings, "run": asdict(runs[-1])}) + "\n")
     return runs
+
+
+def finished_runs(path: Path, settings: dict[str, object]) -> dict[tuple[int, int, int], LMRun]:
+    """(h, kv_heads, seed) -> the run recorded in `path` under the same settings (others are ignored)."""
+    if not path.is_file():
+        return {}
+    found = {}
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        if record["settings"] == settings:
+            run = LMRun(**record["run"])
+            found[run.heads, run.kv_heads, run.seed] = run
+    return found
 
 
 def lm_sweep(args: argparse.Namespace) -> int:
     """Run the decoders' sweep with the options `mha-serving sweep` parsed; the exit status."""
     try:
         configs = training_configs(args)
+        settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in UNUSED}
+        settings["max_len"] = configs[next(iter(configs))][0].max_len
         args.out.mkdir(parents=True, exist_ok=True)
-        runs = train_all(args, configs)
+        runs = train_all(args, configs, {k: v for k, v in settings.items() if k not in RESUMABLE})
     except (ValueError, ExportError, ParityError, FloatingPointError, OSError) as exc:
         print(f"{PROG}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr)
         return 2
-    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in UNUSED}
-    settings["max_len"] = configs[next(iter(configs))][0].max_len
     settings["machine"] = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
     title = (
         f"{CORPUS}: d_model {args.d_model}, {args.layers} layer(s), context {settings['max_len']}, {args.steps} steps "

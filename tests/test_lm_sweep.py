@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import shutil
 from statistics import mean, pstdev
 
 import pytest
@@ -43,6 +44,21 @@ def test_the_report_has_every_configuration_and_file(sweep_out):
     assert "| KV bytes / token |" in table and "kv_heads=1: 0.50 x MHA's KV bytes per token" in table
     exported = sorted(p.name for p in (sweep_out / "models").iterdir())
     assert exported == ["lm-h1-kv1-d32", "lm-h2-kv1-d32", "lm-h2-kv2-d32"]  # each configuration's seed-0 model
+
+
+def test_a_sweep_started_again_reuses_the_runs_it_finished_and_trains_only_the_new_ones(sweep_out, tmp_path, capsys):
+    """runs.jsonl holds each run as it ends; the same sweep (its folder moved) with one more seed trains only that
+    seed's runs."""
+    before = json.loads((sweep_out / "sweep.json").read_text())["runs"]
+    assert len((sweep_out / "runs.jsonl").read_text().splitlines()) == 6
+    out = shutil.copytree(sweep_out, tmp_path / "moved")
+    capsys.readouterr()
+    argv = [*TINY, "--heads", "1,2", "--kv-heads", "1,2", "--out", str(out)]
+    assert sweep.main([*argv[: argv.index("--seeds")], "--seeds", "3", *argv[argv.index("--seeds") + 2 :]]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("found in runs.jsonl") == 6 and "seed=2\n" in printed
+    after = json.loads((out / "sweep.json").read_text())["runs"]
+    assert [r for r in after if r["seed"] < 2] == before and sum(r["seed"] == 2 for r in after) == 3
 
 
 def test_kv_bytes_per_token_is_two_x_layers_x_kv_heads_x_head_dim_x_four(sweep_out):
