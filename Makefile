@@ -16,7 +16,7 @@ $(BIN)/mha-serving: pyproject.toml
 
 venv: $(BIN)/mha-serving
 
-## run: export the default head configurations (if missing) and serve them on an embedded local Ray
+## run: export the default head configurations and train the first decoder (if missing), serve them on an embedded local Ray
 run: venv
 	$(BIN)/mha-serving up --models $(MODELS) --host $(HOST) --port $(PORT)
 

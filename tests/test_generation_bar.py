@@ -164,9 +164,10 @@ def test_bad_generate_requests_are_4xx_with_a_json_error_saying_why(http):
 
 def test_a_client_that_stops_reading_blocks_no_one_and_its_sequence_ends_when_it_closes(server, client, http):
     """The hostile client reserves MHA's whole KV budget with a stream it never reads, on a socket with a small
-    receive buffer (what the server sends piles up on the server's side). While it holds the connection open,
-    other clients are answered; once it closes, a request that needs MHA's whole budget runs, which it can only
-    when no MHA sequence is left running."""
+    receive buffer: what the server sends piles up on the server's side (here in its kernel's send buffer, which
+    grows to 4 MiB on loopback: this whole stream of ~450 KB). While it holds the connection open, other clients
+    are answered; once it closes, a request that needs MHA's whole budget runs, which it can only when no MHA
+    sequence is left running."""
     body = {"model": MHA, "prompt": [1], "max_tokens": MHA_CONTEXT - 1, "stream": True, "ignore_eos": True}
     payload = json.dumps(body).encode()
     hostile = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
