@@ -7,36 +7,43 @@ Where the copies are today (each a full copy of every layer's cache, hence the b
   1. every decoding step: the graph concatenates past and the new token into `present` (inside ONNX Runtime);
   2. `join`: the running rows and the new ones copied into arrays one prefill wider or taller;
   3. `keep`: rows that leave dropped and all-padding leading columns trimmed, in one copy.
+With a `device` (ORT I/O binding, for the GPU) the past stays there as OrtValues between decoding steps; `join` and
+`keep`, which happen when sequences arrive or leave, go through the host.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import onnxruntime as ort
 
 from contract.decoder_metadata import POSITION_IDS, DecoderMetadata
 from contract.metadata import ATTENTION_MASK, INPUT_IDS
 
+Past = list[np.ndarray] | list[ort.OrtValue]  # per layer, key then value: (B, kv_heads, W, head_dim)
+
 
 class BatchCache:
-    """Rows in the order of `BatchCache.rows`' caller (the step runner keeps which sequence is in which row)."""
+    """Rows in the order of `BatchCache.rows`' caller (the step runner keeps which sequence is in which row).
+    `device` ("cuda", or "cpu" to run the same path on the host): the past is kept as OrtValues there."""
 
-    def __init__(self, meta: DecoderMetadata, dtype: np.dtype) -> None:
+    def __init__(self, meta: DecoderMetadata, dtype: np.dtype, device: str | None = None) -> None:
         self._past_names = meta.input_names[3:]  # past_key_values.{i}.key|value, in the graph's order
-        self._shape, self._dtype = (meta.kv_heads, meta.head_dim), dtype
+        self._shape, self._dtype, self.device = (meta.kv_heads, meta.head_dim), dtype, device
         self.lengths = np.zeros(0, np.int64)  # (B,) tokens cached per row
-        self.past = self._empty(0, 0)
+        self.width = 0  # W
+        self.past: Past = self._empty(0, 0)
 
-    @property
-    def width(self) -> int:
-        return self.past[0].shape[2]
-
-    def _empty(self, rows: int, width: int) -> list[np.ndarray]:
+    def _empty_host(self, rows: int, width: int) -> list[np.ndarray]:
         kv, hd = self._shape
         return [np.zeros((rows, kv, width, hd), self._dtype) for _ in self._past_names]  # (B, kv, W, hs) each
 
+    def _empty(self, rows: int, width: int) -> Past:
+        empty = self._empty_host(rows, width)
+        return empty if self.device is None else [self._to_device(p) for p in empty]
+
     def empty_feeds(self, rows: int) -> dict[str, np.ndarray]:
         """An empty past (W = 0) for a prefill of `rows` new sequences."""
-        return dict(zip(self._past_names, self._empty(rows, 0), strict=True))
+        return dict(zip(self._past_names, self._empty_host(rows, 0), strict=True))  # no bytes to place anywhere
 
     def decode_feeds(self, tokens: np.ndarray) -> dict[str, np.ndarray]:
         """(B,) each row's next input token -> the decoding step's feeds: the token at position lengths[row]."""
@@ -50,22 +57,24 @@ class BatchCache:
             **dict(zip(self._past_names, self.past, strict=True)),
         }
 
-    def advance(self, present: list[np.ndarray]) -> None:
-        """After a decoding step: `present` (B, kv, W + 1, hs) per layer is the next past (copy 1 made it)."""
+    def advance(self, present: Past) -> None:
+        """After a decoding step: `present` (B, kv, W + 1, hs) per layer is the next past (copy 1 made it; on the
+        device when it has one)."""
         self.past = present
+        self.width += 1
         self.lengths = self.lengths + 1
 
-    def join(self, present: list[np.ndarray], lengths: np.ndarray) -> None:
+    def join(self, present: Past, lengths: np.ndarray) -> None:
         """New rows after the running ones: a prefill's `present` (n, kv, P, hs) per layer, left-padded, with `lengths`
         (n,) real tokens per row. Copy 2: both sets of rows into arrays max(W, P) wide."""
         rows, width = self.lengths.size, self.width
+        present = self._host(present)
         new_width = max(width, present[0].shape[2])
-        merged = self._empty(rows + len(lengths), new_width)
-        for out, old, new in zip(merged, self.past, present, strict=True):
+        merged = self._empty_host(rows + len(lengths), new_width)
+        for out, old, new in zip(merged, self._host(self.past), present, strict=True):
             out[:rows, :, new_width - width :] = old  # (B, kv, W, hs) right-aligned in (B + n, kv, W', hs)
             out[rows:, :, new_width - new.shape[2] :] = new  # (n, kv, P, hs) likewise
-        self.past = merged
-        self.lengths = np.concatenate([self.lengths, lengths.astype(np.int64)])
+        self._set(merged, np.concatenate([self.lengths, lengths.astype(np.int64)]))
 
     def keep(self, rows: list[int]) -> None:
         """Only these rows stay, in this order; leading columns that are padding in every one left are trimmed.
@@ -76,9 +85,17 @@ class BatchCache:
         width = int(lengths.max()) if lengths.size else 0
         start = self.width - width
         index = np.asarray(rows, np.int64)
-        self.past = [p[index, :, start:, :] for p in self.past]  # (B', kv, W', hs): one gather, contiguous
-        self.lengths = lengths
+        self._set([p[index, :, start:, :] for p in self._host(self.past)], lengths)  # (B', kv, W', hs): one gather
 
     def clear(self) -> None:
-        self.lengths = np.zeros(0, np.int64)
-        self.past = self._empty(0, 0)
+        self._set(self._empty_host(0, 0), np.zeros(0, np.int64))
+
+    def _set(self, past: list[np.ndarray], lengths: np.ndarray) -> None:
+        self.past = past if self.device is None else [self._to_device(p) for p in past]
+        self.width, self.lengths = past[0].shape[2], lengths
+
+    def _host(self, past: Past) -> list[np.ndarray]:
+        return [p.numpy() if isinstance(p, ort.OrtValue) else p for p in past]
+
+    def _to_device(self, array: np.ndarray) -> ort.OrtValue:
+        return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array), self.device, 0)

@@ -7,10 +7,11 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import onnxruntime as ort
 
 from contract.decoder_metadata import POSITION_IDS
 from contract.metadata import ATTENTION_MASK, INPUT_IDS
-from service.generate.kv_cache import BatchCache
+from service.generate.kv_cache import BatchCache, Past
 from service.generate.sampling import sample
 from service.generate.scheduler import Schedule
 from service.generate.sequence import Sequence
@@ -20,9 +21,13 @@ from service.generate.session import DecoderRuntime
 class StepRunner:
     """Owns the batch: which sequence is in which row of the KV cache."""
 
-    def __init__(self, runtime: DecoderRuntime) -> None:
+    def __init__(self, runtime: DecoderRuntime, io_binding: bool | None = None) -> None:
+        """`io_binding` (None: on the GPU only): the KV cache stays where the session runs between steps."""
         self._session, self._pad_id = runtime.session, runtime.meta.pad_id
-        self._cache = BatchCache(runtime.meta, np.dtype(runtime.cache_dtype))
+        self._outputs = runtime.meta.output_names  # logits, then present.{i}.key|value
+        bound = runtime.backend == "gpu" if io_binding is None else io_binding
+        device = ("cuda" if runtime.backend == "gpu" else "cpu") if bound else None
+        self._cache = BatchCache(runtime.meta, np.dtype(runtime.cache_dtype), device)
         self._rows: list[Sequence] = []
 
     @property
@@ -50,7 +55,7 @@ class StepRunner:
 
     def _decode(self) -> list[tuple[Sequence, int]]:
         tokens = np.array([seq.next_input for seq in self._rows], np.int64)  # (B,)
-        logits, *present = self._session.run(None, self._cache.decode_feeds(tokens))  # (B, 1, V), (B, kv, W+1, hs)..
+        logits, present = self._run(self._cache.decode_feeds(tokens))  # (B, 1, V), (B, kv, W + 1, hs) per layer
         self._cache.advance(present)
         return self._sample(self._rows, logits[:, -1])
 
@@ -67,10 +72,29 @@ class StepRunner:
             mask[row, width - len(seq.prompt) :] = 1
         positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)  # (n, P): 0 from each prompt's first token
         feeds = {INPUT_IDS: ids, ATTENTION_MASK: mask, POSITION_IDS: positions, **self._cache.empty_feeds(len(seqs))}
-        logits, *present = self._session.run(None, feeds)  # (n, P, V), (n, kv, P, hs) per layer
+        logits, present = self._run(feeds)  # (n, P, V), (n, kv, P, hs) per layer
         self._cache.join(present, lengths)
         self._rows += seqs
         return self._sample(seqs, logits[:, -1])  # the last column is every prompt's last token: right-aligned
+
+    def _run(self, feeds: dict[str, np.ndarray | ort.OrtValue]) -> tuple[np.ndarray, Past]:
+        """The logits on the host, and `present` where the cache is kept (bound to its device's memory)."""
+        device = self._cache.device
+        if device is None:
+            logits, *present = self._session.run(None, feeds)
+            return logits, present
+        binding = self._session.io_binding()
+        for name, value in feeds.items():
+            if isinstance(value, ort.OrtValue):
+                binding.bind_ortvalue_input(name, value)
+            else:
+                binding.bind_cpu_input(name, value)
+        binding.bind_output(self._outputs[0], "cpu")
+        for name in self._outputs[1:]:
+            binding.bind_output(name, device)
+        self._session.run_with_iobinding(binding)
+        logits, *present = binding.get_outputs()
+        return logits.numpy(), present
 
     @staticmethod
     def _sample(seqs: list[Sequence] | tuple[Sequence, ...], logits: np.ndarray) -> list[tuple[Sequence, int]]:

@@ -26,6 +26,9 @@ class GenerationSettings:
     threads: int = 2  # ORT intra-op threads: one run at a time, so every core of a 2-core node
     backend: str = "auto"  # auto, cpu or gpu (service/runtime.py's provider choice)
     spinning: str = "run"  # ORT threads spin only during a run: steps follow each other, but the loop must not starve
+    # The KV cache kept where the session runs between steps (ORT I/O binding), instead of crossing to the host and
+    # back every step; None: on the GPU only (on the CPU the two are the same memory).
+    io_binding: bool | None = None
 
     def __post_init__(self) -> None:
         problems = []
