@@ -238,12 +238,18 @@ def _report(port: int) -> argparse.Namespace:
 def test_the_start_report_lists_the_models_and_without_a_list_says_why_and_goes_on(capsys, monkeypatch):
     """The report asks the public port, where a flood may hold the connection cap from the first second: what it
     cannot list must not stop a server that is up (it once raised KeyError on the cap's 503, and the server went)."""
-    listed = {"models": [{"name": "m", "ready": True, "heads": 2, "head_dim": 16, "d_model": 32, "backend": "cpu"}]}
+    classifier = {"name": "m", "ready": True, "heads": 2, "head_dim": 16, "d_model": 32, "backend": "cpu"}
+    decoder = {**classifier, "name": "lm", "arch": "decoder", "kv_heads": 1, "context_length": 128}
+    listed = {"models": [classifier, decoder]}
     capped = {"error": "the server holds its limit of 50 connections; retry later"}
     monkeypatch.setattr(start_report, "REPORT_TIMEOUT_S", 0.3)
     with http_server(_answering(200, json.dumps(listed).encode())) as port:
         start_report.report(_report(port))
-    assert "model m: h=2 head_dim=16 d_model=32 on cpu" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "model m: h=2 head_dim=16 d_model=32 on cpu" in out
+    assert (
+        "model lm: h=2 kv_heads=1 context=128 head_dim=16 d_model=32 on cpu" in out and "/openai/v1/completions" in out
+    )
     with http_server(_answering(503, json.dumps(capped).encode())) as port:
         start_report.report(_report(port))
     out = capsys.readouterr().out

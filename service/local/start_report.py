@@ -39,6 +39,8 @@ def report(args: argparse.Namespace) -> None:
     for label, path in [
         ("v2 (Open Inference Protocol)", "/v2/models/{name}/infer"),
         ("simple JSON", "/v1/models/{name}/predict"),
+        ("completions (OpenAI, decoders)", "/openai/v1/completions"),
+        ("generate (OIP, decoders)", "/v2/models/{name}/generate_stream"),
         ("model list", "/v1/models"),
         ("OpenAPI docs", "/docs"),
     ]:
@@ -52,9 +54,9 @@ def report(args: argparse.Namespace) -> None:
         print(f"  models: not listed at start ({unlisted}); GET {base}/v1/models lists them")
     for m in models:
         if m["ready"]:
-            print(
-                f"  model {m['name']}: h={m['heads']} head_dim={m['head_dim']} d_model={m['d_model']} on {m['backend']}"
-            )
+            kv = f" kv_heads={m['kv_heads']} context={m['context_length']}" if m.get("arch") == "decoder" else ""
+            heads = f"h={m['heads']}{kv} head_dim={m['head_dim']} d_model={m['d_model']}"
+            print(f"  model {m['name']}: {heads} on {m['backend']}")
         else:
             print(f"  model {m['name']}: NOT READY: {m['error']}")
     print("Ctrl-C to stop.", flush=True)
