@@ -1,0 +1,3 @@
+from benchmarks.generate.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,86 @@
+"""The in-process references: (a) a bare greedy loop of the decoder's graph on a fixed batch (prefill all rows at
+once, then one token per step for every row, present fed back as past: what batched decoding can do at best for that
+batch), and (b) ONNX Runtime GenAI on the same folder, one generator per request, generators side by side on threads
+(how its CPU path serves concurrent requests). Also the step loop the plain server runs for one request. No torch."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+
+from benchmarks.generate.figures import Timed, figures
+from contract.decoder_metadata import POSITION_IDS
+from contract.metadata import ATTENTION_MASK, INPUT_IDS
+from service.generate.session import DecoderRuntime
+
+
+def greedy_steps(runtime: DecoderRuntime, prompts: np.ndarray, new: int) -> Iterator[np.ndarray]:
+    """Each step's greedy tokens (B,) for `prompts` (B, T) of one length: one prefill, then new - 1 decoding steps
+    of one token per row with the last step's present as past."""
+    meta, session = runtime.meta, runtime.session
+    batch, total = prompts.shape
+    empty = np.zeros((batch, meta.kv_heads, 0, meta.head_dim), runtime.cache_dtype)  # (B, kv, 0, hs)
+    past = dict.fromkeys(meta.input_names[3:], empty)
+    ids = prompts
+    for _ in range(new):
+        positions = np.tile(np.arange(total - ids.shape[1], total, dtype=np.int64), (batch, 1))  # (B, T or 1)
+        feeds = {INPUT_IDS: ids, ATTENTION_MASK: np.ones((batch, total), np.int64), POSITION_IDS: positions}
+        logits, *present = session.run(None, {**feeds, **past})  # (B, T or 1, V), (B, kv, total, hs) per layer
+        past = dict(zip(past, present, strict=True))
+        tokens = logits[:, -1].argmax(axis=-1)  # (B,)
+        yield tokens
+        ids, total = tokens[:, None].astype(np.int64), total + 1  # (B, 1)
+
+
+def bare_loop(runtime: DecoderRuntime, prompts: np.ndarray, new: int, repeats: int) -> dict:
+    """`repeats` batches of every row of `prompts` (B, T) back to back; each row's tokens timed as the step that
+    made them ended (prefill: its time to first token; each step after: its time per token)."""
+    timed: list[Timed] = []
+    start = time.perf_counter()
+    for _ in range(repeats):
+        rows = [Timed(time.perf_counter()) for _ in range(len(prompts))]
+        for _ in greedy_steps(runtime, prompts, new):
+            now = time.perf_counter()
+            for row in rows:
+                row.token_times.append(now)
+        timed += rows
+    return figures(timed, time.perf_counter() - start)
+
+
+def genai_model(folder: str):
+    """The folder as exported (its genai_config.json), loaded once for every generator."""
+    import onnxruntime_genai as og  # only this side needs it: the benchmark runs without it (`--systems`)
+
+    return og.Model(folder)
+
+
+def genai(model, prompts: np.ndarray, new: int, repeats: int) -> dict:
+    """One thread per row of `prompts` (B, T), each generating `repeats` requests one after the other, each with a
+    generator of its own; min_length holds EOS off, as the served requests' ignore_eos does."""
+    import onnxruntime_genai as og
+
+    length = prompts.shape[1] + new
+    timed: list[list[Timed]] = [[] for _ in prompts]
+
+    def requests(row: int) -> None:
+        for _ in range(repeats):
+            one = Timed(time.perf_counter())
+            params = og.GeneratorParams(model)
+            params.set_search_options(max_length=length, min_length=length, do_sample=False)
+            generator = og.Generator(model, params)
+            generator.append_tokens(prompts[row : row + 1].astype(np.int32))  # (1, T)
+            while not generator.is_done():
+                generator.generate_next_token()
+                one.token_times.append(time.perf_counter())
+            timed[row].append(one)
+
+    threads = [threading.Thread(target=requests, args=(row,)) for row in range(len(prompts))]
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return figures([t for row in timed for t in row], time.perf_counter() - start)
