@@ -52,6 +52,12 @@ class RequestLimits(BaseModel):
         "sockets, the model files and refusals still closing need the rest, and each connection may hold a head of "
         "max_header_bytes",
     )
+    send_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="a streamed answer (server-sent events) whose client takes none of it for this long is ended: the "
+        "connection closes and its sequence leaves the batch (a client that stops reading must not hold its slot)",
+    )
     drain_s: float = Field(
         8.0, ge=0, description="on SIGTERM: readiness 503 at once, requests in progress get this long to finish"
     )

@@ -6,6 +6,8 @@ event is awaited before the answer starts, so that a refusal (400, 404, 503) is 
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -22,6 +24,7 @@ from service.protocol import generate as oip
 from service.protocol import openai
 from service.responses import error_body, json_response
 
+logger = logging.getLogger(__name__)
 COMPLETIONS = Endpoint("openai_completions")
 GENERATE = Endpoint("v2_generate")
 GENERATE_STREAM = Endpoint("v2_generate_stream")
@@ -32,17 +35,32 @@ def sse(payload: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
+class Stalled(Exception):
+    """The client took none of the stream for send_timeout_s."""
+
+
 class EventStream(StreamingResponse):
     """Server-sent events over the token events; the events are closed however the answer ends (a client gone
-    included), so the sequence leaves the batch and its admission ends."""
+    included), so the sequence leaves the batch and its admission ends. A client that takes none of the stream for
+    `send_timeout_s` (uvicorn's write waits once its buffer is full) is treated as gone: the answer ends unfinished,
+    which closes the connection."""
 
-    def __init__(self, body: AsyncIterator[bytes], events: AsyncIterator[TokenEvent]) -> None:
+    def __init__(self, body: AsyncIterator[bytes], events: AsyncIterator[TokenEvent], send_timeout_s: float) -> None:
         super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self._events = events
+        self._events, self._send_timeout_s = events, send_timeout_s
 
     async def __call__(self, scope, receive, send) -> None:
+        async def bounded(message) -> None:
+            try:
+                async with asyncio.timeout(self._send_timeout_s):
+                    await send(message)
+            except TimeoutError:
+                raise Stalled from None
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, bounded)
+        except Stalled:
+            logger.info("a stream's client took none of it for %g s: ended", self._send_timeout_s)
         finally:
             await self._events.aclose()
 
@@ -107,7 +125,7 @@ async def completions(plane: DataPlane, request: Request) -> Response:
             lines.append(sse(completion.usage_chunk(event)))
         return lines
 
-    return EventStream(_encoded(first, events, encode, DONE, openai_errors=True), events)
+    return EventStream(_encoded(first, events, encode, DONE, openai_errors=True), events, plane.limits.send_timeout_s)
 
 
 async def models(plane: DataPlane) -> Response:
@@ -127,7 +145,8 @@ async def generate_stream(plane: DataPlane, request: Request, name: str) -> Resp
     """POST /v2/models/{name}/generate_stream: an event per text delta, the last with `details`."""
     body = await json_body(request, plane, oip.GenerateBody)
     first, events = await opened(plane, GENERATE_STREAM, name, oip.to_request(body))
-    return EventStream(_encoded(first, events, lambda e: [sse(oip.answer(name, body, e.text, e))], b""), events)
+    encoded = _encoded(first, events, lambda e: [sse(oip.answer(name, body, e.text, e))], b"")
+    return EventStream(encoded, events, plane.limits.send_timeout_s)
 
 
 def add_routes(app: FastAPI, plane: DataPlane) -> None:
