@@ -9,20 +9,22 @@ import json
 import math
 import statistics
 
+import numpy as np
 import pytest
 import torch
 
-from benchmarks.generate import cli
+from benchmarks.generate import cli, loops
 from benchmarks.generate.report import SYSTEMS as NAMES
 from export import decoder_export
 from export.decoder import DecoderConfig, DecoderLM
-
-pytestmark = [pytest.mark.serve, pytest.mark.slow]
+from service.generate.session import load_decoder
 
 SYSTEMS = ("served", "bare", "genai", "plain")
 LEVELS, PROMPT, NEW, ROUNDS = (1, 2), 8, 8, 2
 
 
+@pytest.mark.slow
+@pytest.mark.serve
 def test_every_system_generates_every_token_at_each_concurrency_and_the_report_is_the_runs_own(tmp_path, capsys):
     pytest.importorskip("onnxruntime_genai")
     torch.manual_seed(0)
@@ -58,3 +60,15 @@ def test_every_system_generates_every_token_at_each_concurrency_and_the_report_i
         assert line.endswith(": met" if bar["met"] else ": not met")
     bare_step = figures[f"bare p={PROMPT} c=1"]["tpot_p50_ms"]
     assert result["bars"][2]["limit"] == pytest.approx(1.25 * bare_step + 0.3)
+
+
+@pytest.mark.slow
+def test_the_bare_loop_with_its_cache_bound_to_the_session_makes_the_plain_loops_tokens(tmp_path):
+    torch.manual_seed(1)
+    model = DecoderLM(DecoderConfig(d_model=32, heads=4, kv_heads=2, layers=2, max_len=64)).eval()
+    decoder_export.export_decoder(model, model.config.metadata(), tmp_path)
+    runtime = load_decoder(tmp_path, "lm-h4-kv2-d32", "cpu", 1)
+    prompts = np.random.default_rng(0).integers(32, 127, size=(3, 8))  # (B, T)
+    plain = np.stack(list(loops.greedy_steps(runtime, prompts, 12, bound=False)))  # (new, B)
+    bound = np.stack(list(loops.greedy_steps(runtime, prompts, 12, bound=True)))
+    assert plain.shape == (12, 3) and (plain == bound).all()

@@ -97,7 +97,7 @@ def prompts(vocab_size: int, lengths: list[int], rows: int) -> dict[int, np.ndar
     return {n: rng.integers(32, min(127, vocab_size), size=(rows, n), dtype=np.int64) for n in lengths}
 
 
-def sides(args, name: str, systems: dict, given: dict[int, np.ndarray], new: int, levels: list[int]) -> dict:
+def sides(args, systems: dict, given: dict[int, np.ndarray], new: int, levels: list[int]) -> dict:
     """Every measurement as a side of the rounds (benchmarks.serving.rounds): one per system, prompt length and
     concurrency, the systems of one level next to each other, so that the ratios compare neighbours."""
     out: dict[str, Side] = {}
@@ -119,7 +119,7 @@ def measure(args: argparse.Namespace) -> dict:
         if "served" in args.systems:
             config = serve_config(args, name, runtime.meta.kv_bytes_per_token)
             server = stack.enter_context(ServerProcess(config))
-            systems["served"] = (partial(_served, server.port, name), server)
+            systems["served"] = (partial(client.served, server.port, name), server)
         if "bare" in args.systems:
             systems["bare"] = (partial(loops.bare_loop, runtime), None)
         if "genai" in args.systems:
@@ -127,10 +127,10 @@ def measure(args: argparse.Namespace) -> dict:
             systems["genai"] = (partial(loops.genai, model), None)
         if "plain" in args.systems:
             plain = stack.enter_context(PlainGenerateServer(args.models, name, args.backend, args.threads))
-            systems["plain"] = (partial(_served, plain.port, name), plain)
+            systems["plain"] = (partial(client.served, plain.port, name), plain)
         print(f"warm-up, then {args.rounds} rounds of {', '.join(systems)}...", flush=True)
-        rounds(sides(args, name, systems, given, WARMUP_TOKENS, [max(args.concurrency)]), 1, 0.0)
-        got = rounds(sides(args, name, systems, given, args.output_tokens, args.concurrency), args.rounds, 0.0)
+        rounds(sides(args, systems, given, WARMUP_TOKENS, [max(args.concurrency)]), 1, 0.0)
+        got = rounds(sides(args, systems, given, args.output_tokens, args.concurrency), args.rounds, 0.0)
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     return {
         "model": name,
@@ -141,10 +141,6 @@ def measure(args: argparse.Namespace) -> dict:
         "bars": bars(got, args.prompt_tokens, args.concurrency),
         "figures": got,
     }
-
-
-def _served(port: int, name: str, batch: np.ndarray, new: int, requests: int) -> dict:
-    return client.served(port, name, batch, new, requests)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -51,7 +51,8 @@ def make_app(models_dir: str, name: str, backend: str, threads: int) -> FastAPI:
                 last = step == new
                 counts = {"prompt_tokens": prompt.shape[1], "completion_tokens": step}
                 usage = {**counts, "total_tokens": prompt.shape[1] + step} if last else None
-                yield _chunk(cid, name, chr(int(tokens[0]) % 128), "length" if last else None, usage)
+                text = chr(int(tokens[0]) % 128)  # one character a token: the client times chunks, not text
+                yield _chunk(cid, name, text, "length" if last else None, usage)
             yield b"data: [DONE]\n\n"
 
         return StreamingResponse(stream(), media_type="text/event-stream")
