@@ -17,6 +17,7 @@ from contract.metadata import LOGITS, ModelMetadata
 from service import attention_api
 from service.config import AppConfig
 from service.errors import BadRequestError, ModelNotFoundError, OverCapacityError, ServiceError
+from service.generate.output import OPENAI_FINISH_REASONS
 from service.generate.request import GenerateRequest, TokenEvent
 from service.generating import not_a_classifier
 from service.inference import AttentionMap, InferenceRequest, InferenceResult, Listing, ModelStatus
@@ -72,7 +73,7 @@ class DataPlane:
         self.models = ServedModels(placements, config.routes, self.metrics, self._start_gauge_refresher)
         self._draining = False  # set by `drain` on SIGTERM: readiness answers 503 from then on
         self._shadows = ShadowTraffic(self._run_shadow, self._preempt, self.load.busy, self._record_shadow)
-        self._refreshes: list[Callable[[], None]] = [self.metrics.refresh]
+        self._refreshes: list[Callable[[], None]] = [self.metrics.refresh, self._refresh_decoders]
         self._gauge_refresher: asyncio.Task | None = None
 
     def on_refresh(self, refresh: Callable[[], None]) -> None:
@@ -156,9 +157,11 @@ class DataPlane:
 
     async def generate(self, endpoint: Endpoint, name: str, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
         """One generation request to a decoder (or a route to decoders): its token events, the last with a
-        finish_reason, usage and timing. Admitted like any request (`admit`), and the admission held until the last
-        event has been taken; the consumer that stops early (a client gone) ends the sequence within a step. Records
-        time to first token, inter-token latency and the tokens."""
+        finish_reason, usage and timing. Admitted like any request (`admit`: a 503 for a full queue or a queue
+        timeout, raised here, is counted as a rejection there), and the admission held until the last event has been
+        taken; the consumer that stops early (a client gone) ends the sequence within a step. Records queue time,
+        time to first token, inter-token latency, the tokens, and how and when the request ended (a client gone: an
+        abort)."""
         async with self.admit(endpoint, name) as call:
             placement = self.models.placement(call.target)
             if not getattr(placement, "generates", False):
@@ -168,16 +171,26 @@ class DataPlane:
                 )
             meta = call.status.metadata
             labels = generation_labels(self.models.labels(call.target, call.status), meta.kv_heads)
-            last = time.perf_counter()
+            submitted = last = time.perf_counter()
             stream = placement.submit(request)
-            self.metrics.prompt_tokens(labels, stream.prompt_tokens)
-            first = True
+            first, finished = True, False
             try:
                 async for event in stream:
                     self.metrics.token_event(labels, len(event.token_ids), event.time - last, first)
+                    if event.queued_s is not None:  # its prefill ran: a request that timed out waiting has none
+                        self.metrics.queued(labels, event.queued_s)
+                        self.metrics.prompt_tokens(labels, stream.prompt_tokens)
                     if event.token_ids:
                         first, last = False, event.time
+                    if event.finish_reason is not None:
+                        finished = True
+                        reason = OPENAI_FINISH_REASONS[event.finish_reason]
+                        self.metrics.generation_finished(labels, reason, event.timing.total_s)
                     yield event
+            except (asyncio.CancelledError, GeneratorExit):  # the client went away before the last event
+                if not finished:
+                    self.metrics.generation_finished(labels, "abort", time.perf_counter() - submitted)
+                raise
             finally:
                 stream.cancel()
 
@@ -229,6 +242,17 @@ class DataPlane:
         self.metrics.shadowed(mirror.route, primary, shadow, outcome, agreement)
 
     # ---- gauges ----
+    def _refresh_decoders(self) -> None:
+        """Each decoder's running and waiting requests and KV cache usage, from its engine (every GAUGE_REFRESH_S)."""
+        for name in self.models.names:
+            placement = self.models.placement(name)
+            state = placement.state() if getattr(placement, "generates", False) else None
+            labels = self.models.labels(name)
+            if state is None or not labels["heads"]:  # not loaded, or not ready yet: no head configuration to label
+                continue
+            decoder = generation_labels(labels, placement.engine.meta.kv_heads)
+            self.metrics.engine_state(decoder, state.running, state.waiting, state.kv_cache_usage)
+
     def _start_gauge_refresher(self) -> None:
         if self._gauge_refresher is None:
             self._gauge_refresher = asyncio.get_running_loop().create_task(self._refresh_gauges())

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from service.errors import BadRequestError, ModelFileError, NotReadyError
-from service.generate import GenerateRequest, GenerationEngine, GenerationSettings, TokenStream
+from service.generate import GenerateRequest, GenerationEngine, GenerationSettings, SchedulerState, TokenStream
 from service.inference import ModelStatus
 
 GENERATION_ROUTES = "/openai/v1/completions or /v2/models/{name}/generate"
@@ -66,11 +66,13 @@ class ColocatedDecoder:
         if self.engine is not None:
             await self.engine.drain(max(0.0, grace_s))
 
+    def state(self) -> SchedulerState | None:
+        """Its engine's running and waiting sequences and KV reservation now; None when it could not be loaded."""
+        return None if self.engine is None else self.engine.state()
+
     def busy(self) -> bool:
-        if self.engine is None:
-            return False
-        state = self.engine.state()
-        return bool(state.running or state.waiting)
+        state = self.state()
+        return state is not None and bool(state.running or state.waiting)
 
     def close(self) -> None:
         if self.engine is not None:

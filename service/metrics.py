@@ -24,8 +24,14 @@ LATENCY_BUCKETS_S = [
     0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 ]  # fmt: skip
 BATCH_SIZE_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256]  # rows per ORT run (max_batch_size defaults to 32)
+# A generation request's whole life and its wait in a decoder's queue: seconds to minutes (long streams, a queue
+# bounded by queue_timeout_s, 30 s by default).
+REQUEST_BUCKETS_S = [*LATENCY_BUCKETS_S, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0]
 TOKEN_BUCKETS = [16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536]  # padded B * T per run
 
+
+# Why a generation request ended, as OpenAI and vLLM's `finished_reason` name it: a fixed set, the label's values.
+FINISHED_REASONS = ("stop", "length", "abort")
 
 # A route's shadow metrics: the route, the model that answered and the shadow, each with its head count.
 SHADOW_LABELS = ("route", "primary", "primary_heads", "shadow", "shadow_heads")
@@ -140,6 +146,41 @@ class IngressMetrics:
             description="Prompt tokens of the generation requests that started.",
             tag_keys=generation_keys,
         )
+        self.e2e = Histogram(
+            "mha_e2e_request_latency_seconds",
+            description="Time from a generation request's arrival at its decoder's engine to its last event (one per "
+            "request that ended with a finished_reason, a client gone included).",
+            boundaries=REQUEST_BUCKETS_S,
+            tag_keys=generation_keys,
+        )
+        self.queue_time = Histogram(
+            "mha_request_queue_time_seconds",
+            description="Time a generation request waited in its decoder's queue: arrival to the start of its "
+            "prefill (one per request that started).",
+            boundaries=REQUEST_BUCKETS_S,
+            tag_keys=generation_keys,
+        )
+        self.succeeded = Counter(
+            "mha_request_success_total",
+            description="Generation requests that ended with a finished_reason: stop (a stop string or EOS), "
+            "length (max_tokens), abort (the client went away, or the server stopped it).",
+            tag_keys=(*generation_keys, "finished_reason"),
+        )
+        self.running = Gauge(
+            "mha_num_requests_running",
+            description="Generation requests in a decoder's running batch, in this serving process.",
+            tag_keys=generation_keys,
+        )
+        self.waiting = Gauge(
+            "mha_num_requests_waiting",
+            description="Generation requests queued for room in a decoder's KV budget, in this serving process.",
+            tag_keys=generation_keys,
+        )
+        self.kv_usage = Gauge(
+            "mha_kv_cache_usage_perc",
+            description="Share of a decoder's KV cache budget reserved by its running requests (0 to 1).",
+            tag_keys=generation_keys,
+        )
         self._tokens: dict[tuple[str, ...], list[int]] = {}  # generation labels -> [generated, prompt] since refresh
         self._in_flight: dict[tuple[str, ...], int] = {}
         self._info: list[dict[str, str]] = []
@@ -224,6 +265,24 @@ class IngressMetrics:
         (self.first_token if first else self.inter_token).observe(since_s, tags=labels)
         counts = self._tokens.setdefault(tuple(labels.values()), [0, 0])
         counts[0] += tokens
+
+    def queued(self, labels: dict[str, str], seconds: float) -> None:
+        """A generation request's prefill started `seconds` after its arrival; generation_labels."""
+        self.queue_time.observe(seconds, tags=labels)
+
+    def generation_finished(self, labels: dict[str, str], finished_reason: str, seconds: float) -> None:
+        """A generation request ended with `finished_reason` (one of FINISHED_REASONS) `seconds` after its arrival;
+        generation_labels. Few enough per second (one per request, not per token) to be counted at once."""
+        if finished_reason not in FINISHED_REASONS:
+            raise ValueError(f"finished_reason {finished_reason!r} is not one of {FINISHED_REASONS}")
+        self.e2e.observe(seconds, tags=labels)
+        self.succeeded.inc(1, tags={**labels, "finished_reason": finished_reason})
+
+    def engine_state(self, labels: dict[str, str], running: int, waiting: int, kv_usage: float) -> None:
+        """A decoder's engine now (set on every refresh, GAUGE_REFRESH_S); generation_labels."""
+        self.running.set(running, tags=labels)
+        self.waiting.set(waiting, tags=labels)
+        self.kv_usage.set(kv_usage, tags=labels)
 
     def prompt_tokens(self, labels: dict[str, str], tokens: int) -> None:
         counts = self._tokens.setdefault(tuple(labels.values()), [0, 0])

@@ -311,6 +311,9 @@ def test_a_second_sequence_waits_for_kv_room_until_the_first_leaves(models_dir):
         first, second = _run(both())
     assert second[0].step > first[-1].step  # admitted only once the first had left
     assert second[-1].timing.queued_s > 0 and second[-1].usage.completion_tokens == 150
+    # the queue time goes out on the first event too (a consumer may leave before the last), and only there
+    assert second[0].queued_s == second[-1].timing.queued_s and first[0].queued_s == first[-1].timing.queued_s
+    assert all(e.queued_s is None for e in [*first[1:-1], *second[1:-1]])
 
 
 def test_past_max_waiting_the_answer_is_a_503_at_once(models_dir):
@@ -322,7 +325,9 @@ def test_past_max_waiting_the_answer_is_a_503_at_once(models_dir):
             second = engine.submit(GenerateRequest("second", _greedy(200)))  # waits
             with pytest.raises(ModelQueueFullError) as err:
                 engine.submit(GenerateRequest("third", _greedy(4)))
-            assert engine.state().waiting == 1
+            state = engine.state()
+            assert state.waiting == 1 and state.running == 1
+            assert state.kv_cache_usage == (1 + len("first") + 200) / MAX_LEN  # BOS, a token per byte, max_tokens
             await first.aclose()
             return err.value, [e async for e in second]
 
@@ -345,7 +350,7 @@ def test_past_queue_timeout_the_waiting_sequence_ends_with_a_503(models_dir):
         error, events = _run(scenario())
     assert error.status == 503 and "Retry-After" in error.headers() and "queue_timeout_s 0.005" in str(error)
     assert events[-1].usage.completion_tokens == 240
-    assert engine.state().waiting == 0
+    assert engine.state().waiting == 0 and engine.state().kv_cache_usage == 0
 
 
 def test_drain_refuses_new_requests_and_lets_running_ones_finish(models_dir):

@@ -19,7 +19,7 @@ import httpx
 import numpy as np
 import pytest
 import yaml
-from prometheus import PROMETHEUS_YML, PrometheusServer
+from prometheus import GENERATION_ROW, PROMETHEUS_YML, PrometheusServer, dashboard_metric_names
 from serving import deploy
 
 from service import metrics
@@ -27,7 +27,6 @@ from service import metrics
 ROOT = Path(__file__).resolve().parents[1]
 RULES = ROOT / "deploy" / "rules.yml"
 K8S_RULES = ROOT / "deploy" / "k8s" / "base" / "prometheusrule.yaml"
-DASHBOARD = ROOT / "deploy" / "grafana" / "mha-serving.json"
 APP = "metrics"
 SEQUENTIAL = {"mha-h2-d32": 13, "mha-h4-d32": 7}  # requests sent one at a time (all succeed)
 BURST = 12  # concurrent requests at the slow, tiny-queue mha-h4-d32 deployment: some are rejected (503)
@@ -57,22 +56,11 @@ def test_local_rules_are_the_prometheusrule_groups_of_the_cluster():
     assert local == cluster
 
 
-def dashboard_metric_names() -> set[str]:
-    """Every metric a dashboard query names, without the histogram suffixes."""
-    dashboard = json.loads(DASHBOARD.read_text())
-    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
-    exprs.append(dashboard["templating"]["list"][1]["query"]["query"])
-    names = set()
-    for expr in exprs:
-        for name in re.findall(r"\bray_mha_[a-z_]+", expr):
-            names.add(re.sub(r"_(bucket|sum|count)$", "", name))
-    return names
-
-
 def test_dashboard_queries_name_only_metrics_the_service_defines():
     source = Path(metrics.__file__).read_text()
-    defined = {f"ray_{n}" for n in re.findall(r'"(mha_[a-z_]+)"', source)}
-    names = dashboard_metric_names()
+    defined = {f"ray_{n}" for n in re.findall(r'"(mha_[a-z0-9_]+)"', source)}
+    names = dashboard_metric_names() | dashboard_metric_names(GENERATION_ROW)
+    assert dashboard_metric_names(GENERATION_ROW), "the dashboard has no generation row"
     assert names, "the dashboard names no metric"
     assert names <= defined, f"dashboard names undefined metrics: {sorted(names - defined)}"
 

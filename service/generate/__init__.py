@@ -2,7 +2,7 @@
 output processing), transport-free; the data plane and the transports build on `GenerationEngine`. No torch."""
 
 from service.generate.engine import GenerationEngine
-from service.generate.output import ABORT, CANCELLED, EOS, FINISH_REASONS, LENGTH, STOP
+from service.generate.output import ABORT, CANCELLED, EOS, FINISH_REASONS, LENGTH, OPENAI_FINISH_REASONS, STOP
 from service.generate.request import GenerateRequest, Timing, TokenEvent, Usage
 from service.generate.sampling import SamplingParams
 from service.generate.scheduler import SchedulerState
@@ -16,6 +16,7 @@ __all__ = [
     "EOS",
     "FINISH_REASONS",
     "LENGTH",
+    "OPENAI_FINISH_REASONS",
     "STOP",
     "DecoderRuntime",
     "GenerateRequest",

@@ -18,6 +18,8 @@ LENGTH = "length"  # max_tokens were generated
 CANCELLED = "cancelled"  # the consumer went away (stopped iterating, or its task was cancelled)
 ABORT = "abort"  # the engine ended it: drained past its grace, or closed
 FINISH_REASONS = (STOP, EOS, LENGTH, CANCELLED, ABORT)
+# As OpenAI's API and vLLM's metrics (`finished_reason`) say them: a client gone is an abort there too.
+OPENAI_FINISH_REASONS = {STOP: "stop", EOS: "stop", LENGTH: "length", CANCELLED: "abort", ABORT: "abort"}
 
 
 @dataclass(frozen=True)

@@ -79,3 +79,4 @@ class TokenEvent:
     finish_reason: str | None = None  # service/generate/output.py's FINISH_REASONS
     usage: Usage | None = None
     timing: Timing | None = None
+    queued_s: float | None = None  # on the sequence's first event with a token: arrival -> the start of its prefill

@@ -36,6 +36,11 @@ class SchedulerState:
     steps: int  # schedules made so far
     draining: bool
 
+    @property
+    def kv_cache_usage(self) -> float:
+        """The share of the KV budget the running sequences reserve, 0 to 1 (vLLM's kv_cache_usage_perc)."""
+        return self.kv_reserved_tokens / self.kv_budget_tokens if self.kv_budget_tokens else 0.0
+
 
 @dataclass(frozen=True)
 class Limits:

@@ -58,11 +58,14 @@ class Sequence:
     def event(self, step: int, tokens: tuple[int, ...], text: str, now: float, finish: str | None = None) -> TokenEvent:
         """Its next event, made on the engine's thread at the end of a step; the last one (a finish_reason) carries
         usage and timing."""
-        if tokens and not self.first_token:
+        # the queue time goes out on the first event, so that it is known of a stream its consumer leaves early
+        starts = bool(tokens) and not self.first_token
+        if starts:
             self.first_token = now
+        queued_s = self.started - self.arrived if starts else None
         if finish is None:
-            return TokenEvent(tokens, text, now, step)
+            return TokenEvent(tokens, text, now, step, queued_s=queued_s)
         queued = self.started - self.arrived if self.started else 0.0
         first = self.first_token - self.arrived if self.first_token else 0.0
         timing = Timing(self.arrived, queued, first, now - self.arrived)
-        return TokenEvent(tokens, text, now, step, finish, self.usage(), timing)
+        return TokenEvent(tokens, text, now, step, finish, self.usage(), timing, queued_s)

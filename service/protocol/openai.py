@@ -13,11 +13,11 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from contract.decoder_metadata import DecoderMetadata
 from service.errors import BadRequestError
-from service.generate import ABORT, CANCELLED, EOS, LENGTH, STOP, GenerateRequest, SamplingParams, TokenEvent
+from service.generate import OPENAI_FINISH_REASONS, GenerateRequest, SamplingParams, TokenEvent
 from service.inference import ModelStatus
 
 # Why a sequence ended, as OpenAI says it: "stop" for a stop string or EOS, "length" at max_tokens; vLLM's "abort".
-FINISH = {STOP: "stop", EOS: "stop", LENGTH: "length", ABORT: "abort", CANCELLED: "abort"}
+FINISH = OPENAI_FINISH_REASONS
 
 
 class StreamOptions(BaseModel):
