@@ -1,30 +1,36 @@
-"""Every RPC the service answers, each declared once: the Open Inference Protocol's GRPCInferenceService and
-grpc.health.v1's Health, answered from the data plane whichever way a call comes in (the replica's own gRPC
-server, service/rpc/server.py, or Serve's gRPC proxy, service/rpc/serve_proxy.py). No torch.
+"""Every RPC the service answers, each declared once: the Open Inference Protocol's GRPCInferenceService, the
+project's GenerationService (token generation, streamed) and grpc.health.v1's Health, answered from the data plane
+whichever way a call comes in (the replica's own gRPC server, service/rpc/server.py, or Serve's gRPC proxy,
+service/rpc/serve_proxy.py). No torch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2
 
+from contract.rpc import generation_pb2 as generation_pb
 from contract.rpc import inference_pb2 as pb
 from service.dataplane import DataPlane, Endpoint
 from service.errors import NotServedError, UnknownServiceError
 from service.limits import check_body_size
 from service.protocol import v2
 from service.routes import ROUTE_KEY
-from service.rpc import tensors
+from service.rpc import generation, tensors
 
 INFERENCE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
+GENERATION = generation_pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
 HEALTH = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 GRPC_INFER = Endpoint("grpc_infer")  # not counted from arrival: calls waiting inside gRPC are not seen
+GRPC_GENERATE = Endpoint("grpc_generate")
 Metadata = Sequence[tuple[str, Any]]  # a call's invocation metadata: (key, value) pairs
-Answer = Callable[[DataPlane, Any, Metadata], Awaitable[Message | None]]
+Unary = Callable[[DataPlane, Any, Metadata], Awaitable[Message]]
+# a stream's messages; the transport closes the generator however the call ends (a client gone included)
+Streamed = Callable[[DataPlane, Any, Metadata], AsyncGenerator[Message, None]]
 
 
 @dataclass(frozen=True)
@@ -33,8 +39,8 @@ class Rpc:
     name: str  # the method name, as gRPC and Serve's proxy call it
     request: type[Message]
     response: type[Message]
-    answer: Answer  # raises a ServiceError where there is no answer
-    streaming: bool = False  # unary-stream
+    answer: Unary | Streamed  # raises a ServiceError where there is no answer (a stream: before or between messages)
+    streaming: bool = False  # unary-stream: `answer` is Streamed
 
 
 def route_key(metadata: Metadata) -> str | None:
@@ -77,17 +83,35 @@ async def _model_infer(plane: DataPlane, message: pb.ModelInferRequest, metadata
         return tensors.to_response(result.model, body, result.logits)
 
 
+async def _model_generate(
+    plane: DataPlane, message: generation_pb.ModelGenerateRequest, metadata: Metadata
+) -> AsyncGenerator[Message, None]:
+    """Decoded into the same generate request as HTTP's; each token event of the data plane's one entry is a
+    message. Closing this generator (the call cancelled, its deadline past) ends the sequence within a step."""
+    check_body_size(message.ByteSize(), plane.limits)  # as ModelInfer: Serve's proxy takes up to 2 GiB
+    body = generation.to_body(message)
+    events = plane.generate(GRPC_GENERATE, message.model_name, generation.to_request(message, body))
+    try:
+        async for event in events:
+            yield generation.to_response(message.model_name, body, event)
+    finally:
+        await events.aclose()
+
+
 async def _check(plane: DataPlane, request: health_pb2.HealthCheckRequest, metadata: Metadata) -> Message:
     """SERVING once every model is ready, NOT_SERVING while loading and once draining."""
-    if request.service not in ("", INFERENCE):
-        raise UnknownServiceError(f"unknown service {request.service!r}; ask '' or {INFERENCE}")
+    if request.service not in ("", INFERENCE, GENERATION):
+        raise UnknownServiceError(f"unknown service {request.service!r}; ask '', {INFERENCE} or {GENERATION}")
     ready = await plane.not_ready() is None
     status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
     return health_pb2.HealthCheckResponse(status=status)
 
 
-async def _watch(plane: DataPlane, request: health_pb2.HealthCheckRequest, metadata: Metadata) -> None:
+async def _watch(
+    plane: DataPlane, request: health_pb2.HealthCheckRequest, metadata: Metadata
+) -> AsyncGenerator[Message, None]:
     raise NotServedError("Watch is not served: poll Check")
+    yield  # a stream that refuses before its first message
 
 
 RPCS = (
@@ -97,6 +121,14 @@ RPCS = (
     Rpc(INFERENCE, "ServerMetadata", pb.ServerMetadataRequest, pb.ServerMetadataResponse, _server_metadata),
     Rpc(INFERENCE, "ModelMetadata", pb.ModelMetadataRequest, pb.ModelMetadataResponse, _model_metadata),
     Rpc(INFERENCE, "ModelInfer", pb.ModelInferRequest, pb.ModelInferResponse, _model_infer),
+    Rpc(
+        GENERATION,
+        "ModelGenerate",
+        generation_pb.ModelGenerateRequest,
+        generation_pb.ModelGenerateResponse,
+        _model_generate,
+        streaming=True,
+    ),
     Rpc(HEALTH, "Check", health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse, _check),
     Rpc(HEALTH, "Watch", health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse, _watch, streaming=True),
 )

@@ -33,14 +33,17 @@ def _entry(rpc: Rpc) -> Callable:
             return rpc.response()
 
     async def stream(self, request, grpc_context: RayServegRPCContext):
-        """A generator for Serve's proxy, which sends a stream's status only when the stream raises."""
+        """A generator for Serve's proxy, which sends a stream's status only when the stream raises; the answer is
+        closed however the stream ends (Serve cancels the call of a client gone)."""
+        messages = rpc.answer(self.plane, request, grpc_context.invocation_metadata() or ())
         try:
-            answer = await rpc.answer(self.plane, request, grpc_context.invocation_metadata() or ())
+            async for message in messages:
+                yield message
         except ServiceError as exc:
             _set_status(grpc_context, exc)
             raise
-        if answer is not None:
-            yield answer
+        finally:
+            await messages.aclose()
 
     entry = stream if rpc.streaming else unary
     entry.__name__ = entry.__qualname__ = rpc.name

@@ -27,9 +27,16 @@ def _behaviour(plane: DataPlane, rpc: Rpc):
             await context.abort(status_of(exc), str(exc))
 
     async def stream(request, context: grpc.aio.ServicerContext):
-        answer = await unary(request, context)
-        if answer is not None:
-            yield answer
+        """Each message written as it comes. Written from a coroutine rather than yielded: gRPC cancels this task
+        when the call is cancelled (or its deadline passes), and the `finally` then closes the answer at once."""
+        messages = rpc.answer(plane, request, context.invocation_metadata() or ())
+        try:
+            async for message in messages:
+                await context.write(message)
+        except ServiceError as exc:
+            await context.abort(status_of(exc), str(exc))
+        finally:
+            await messages.aclose()
 
     return stream if rpc.streaming else unary
 
