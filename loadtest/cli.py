@@ -1,5 +1,7 @@
 """`mha-serving loadtest`: bounded load per head configuration against a running service, or `--compare A B`.
 
+Classifiers get requests; decoders (--generate, or when every selected model is one) get streamed completions.
+
 Exit status: 0 all levels measured, 1 some model or level failed, 2 bad input or unreachable service, 130 Ctrl-C.
 A report (possibly partial) is written whenever the arguments parse.
 """
@@ -37,6 +39,8 @@ from loadtest.progress import Progress
 from loadtest.report import ReportError, build_report, write_report
 from loadtest.runner import Level, Limits
 from loadtest.session import Outcome, Plan, run_session
+from loadtest.stats import Slo
+from loadtest.streams import DEFAULT_GENERATION_PROTOCOL, GENERATION_PROTOCOLS, TokenSpec, generation_pb2
 from loadtest.workload import DEFAULT_PROTOCOL, PROTOCOLS, SeqLenSpec, WorkloadError, parse_protocols, read_texts
 
 PROG = "mha-serving loadtest"
@@ -58,10 +62,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=1, help="sequences per request")
     p.add_argument(
         "--protocol",
-        default=DEFAULT_PROTOCOL,
+        default=None,
         help=f"one or several of {', '.join(PROTOCOLS)}, comma-separated: simple JSON, Open Inference v2 over HTTP "
-        "(JSON, or binary tensor data) and over gRPC; several take turns at each level",
+        "(JSON, or binary tensor data) and over gRPC; several take turns at each level (default simple); for "
+        f"decoders {', '.join(GENERATION_PROTOCOLS)}: OpenAI completions, OIP generate_stream, the generation RPC "
+        f"(default {DEFAULT_GENERATION_PROTOCOL})",
     )
+    p.add_argument(
+        "--generate",
+        action="store_true",
+        help="load decoders with streamed completions (the default when every selected model is a decoder)",
+    )
+    p.add_argument("--prompt-tokens", default="32", help="generation: prompt tokens, BOS included: N or LO:HI")
+    p.add_argument("--output-tokens", default="64", help="generation: output tokens (ignore_eos): N or LO:HI")
+    p.add_argument("--slo-ttft-ms", type=float, default=None, help="generation: goodput's bound on time to first token")
+    p.add_argument("--slo-itl-ms", type=float, default=None, help="generation: goodput's bound on every token gap")
     p.add_argument(
         "--grpc-url",
         default="",
@@ -73,9 +88,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-url", default="", help="the service's Prometheus URL: adds server-side percentiles")
     p.add_argument(
         "--metrics-name",
-        default=",".join(server_metrics.DEFAULT_METRICS),
+        default=None,
         help="server-side latency histogram(s), comma-separated: the first with data for a model is used "
-        "(a name ending in _seconds is read as seconds, otherwise milliseconds)",
+        "(a name ending in _seconds is read as seconds, otherwise milliseconds); default "
+        f"{','.join(server_metrics.DEFAULT_METRICS)}, for decoders {','.join(server_metrics.GENERATION_METRICS)} "
+        f"(and {','.join(server_metrics.GENERATION_ALSO)} beside it)",
     )
     p.add_argument(
         "--metrics-match",
@@ -145,11 +162,22 @@ def _meta(args: argparse.Namespace, argv: list[str], plan: Plan) -> dict:
         "limits": asdict(plan.limits),
         "planned_levels": [lv.label for lv in plan.levels],
         "metrics_url": args.metrics_url,
-        "metrics_names": args.metrics_name.split(",") if args.metrics_url else [],
+        "metrics_names": list(plan.metrics_names + plan.metrics_also) if args.metrics_url else [],
         "metrics_match": args.metrics_match,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
         "models": [],
     }
+
+
+def _workload_meta(args: argparse.Namespace, plan: Plan) -> dict:
+    """The settings that depend on the kind of models loaded (known once they are found)."""
+    meta: dict = {"protocol": ",".join(plan.protocols), "workload": "generate" if plan.generate else "classify"}
+    if args.metrics_url:
+        meta["metrics_names"] = list(plan.metrics_names + plan.metrics_also)
+    if plan.generate:
+        meta |= {"prompt_tokens": plan.prompt_tokens.describe(), "output_tokens": plan.output_tokens.describe()}
+        meta |= {"slo_ttft_ms": plan.slo.ttft_ms, "slo_itl_ms": plan.slo.itl_ms}
+    return meta
 
 
 def _finish(out: Path, meta: dict, outcome: Outcome, message: str) -> str:
@@ -164,7 +192,7 @@ def _finish(out: Path, meta: dict, outcome: Outcome, message: str) -> str:
     meta |= {"status": status, "message": message or "; ".join(outcome.failures), "finished_at": _now()}
     meta["measured"] = f"{len(outcome.results)} level(s), {sum(r.ok for r in outcome.results)} successful requests"
     report = build_report(meta, outcome.results, outcome.notes)
-    write_report(out, report, outcome.results, _plots(outcome, out))
+    write_report(out, report, outcome.results, _plots(outcome, out), outcome.streams)
     return status
 
 
@@ -178,9 +206,10 @@ def _plots(outcome: Outcome, out: Path) -> list[str]:
     return write_plots(outcome.results, out)
 
 
-def _discover(args: argparse.Namespace, plan: Plan, outcome: Outcome) -> list[ModelInfo]:
-    """The selected models and routes, each ready (waiting up to --ready-timeout); those that never get ready are
-    failures. DiscoveryError when the service cannot take a protocol asked for."""
+def _discover(args: argparse.Namespace, plan: Plan, outcome: Outcome) -> tuple[Plan, list[ModelInfo]]:
+    """The plan for the selected models (classifiers, or decoders: `_workload`) and the models and routes, each
+    ready (waiting up to --ready-timeout); those that never get ready are failures. DiscoveryError when the service
+    cannot take a protocol asked for."""
     base_url = plan.base_url
     with httpx.Client(timeout=10.0, trust_env=False) as client:
         listing = discover(client, base_url)
@@ -190,6 +219,7 @@ def _discover(args: argparse.Namespace, plan: Plan, outcome: Outcome) -> list[Mo
         if waiting or any(m.route for m in models):  # a route's configuration is its targets': read once they are up
             listed = discover(client, base_url).by_name()
             models = [listed.get(m.name, m) for m in models]
+        plan, models = _workload(args, plan, models, outcome)
         if "v2-binary" in plan.protocols:
             check_extension(client, base_url, EXTENSION, "--protocol v2-binary")
     if plan.grpc_url and (problem := server_live(plan.grpc_url, plan.limits.timeout_s)):
@@ -197,13 +227,62 @@ def _discover(args: argparse.Namespace, plan: Plan, outcome: Outcome) -> list[Mo
             f"no gRPC service at {plan.grpc_url} for --protocol grpc ({problem}); give --grpc-url the service's "
             "gRPC address (mha-serving serve --grpc-port)"
         )
+    if plan.generate and "grpc" in plan.protocols:
+        try:
+            generation_pb2()
+        except WorkloadError as exc:
+            raise DiscoveryError(str(exc)) from None
     outcome.failures += [f"{n}: not ready after {args.ready_timeout:g} s; skipped" for n in late]
     unknown = [m.name for m in models if m.route and m.name not in late and not m.measurable]
     outcome.failures += [f"{n}: none of its targets is listed with a configuration; skipped" for n in unknown]
     ready = [m for m in models if m.name not in late and m.measurable]
     if not ready:
         raise DiscoveryError("none of the selected models is ready: " + "; ".join(outcome.failures))
-    return ready
+    return plan, ready
+
+
+def _workload(
+    args: argparse.Namespace, plan: Plan, models: list[ModelInfo], outcome: Outcome
+) -> tuple[Plan, list[ModelInfo]]:
+    """Classifiers or decoders: a run loads one kind. `--models all` keeps the kind asked for (--generate, or a
+    protocol only one kind has), else classifiers where any are served (a note names the decoders left out); named
+    models must all be of that kind. DiscoveryError says what does not fit."""
+    everything = args.models.strip() == "all"
+    known = [m for m in models if m.measurable]  # a model still loading has no known kind; it fails as not ready
+    decoders = [m.name for m in known if m.is_decoder]
+    generate = plan.generate if plan.generate is not None else bool(known) and len(decoders) == len(known)
+    wrong = [m.name for m in known if m.is_decoder != generate]
+    if wrong and everything:
+        outcome.notes.append(
+            f"not measured: {', '.join(wrong)} ("
+            + ("classifiers: a generation run loads decoders)" if generate else "decoders: give --generate)")
+        )
+        models = [m for m in models if m.name not in wrong]
+    elif wrong:
+        if generate:
+            raise DiscoveryError(f"{', '.join(wrong)}: a classifier, and a generation run loads decoders only")
+        raise DiscoveryError(
+            f"{', '.join(wrong)}: a decoder; load decoders in a run of their own (--generate, protocol "
+            f"{', '.join(GENERATION_PROTOCOLS)})"
+        )
+    if not models:
+        raise DiscoveryError(f"the service at {plan.base_url} serves no {'decoders' if generate else 'classifiers'}")
+    if not generate:
+        return replace(plan, generate=False, protocols=plan.protocols or (DEFAULT_PROTOCOL,)), models
+    tight = [f"{m.name} ({m.max_len})" for m in models if m.max_len - plan.output_tokens.high < 2]
+    if tight:
+        raise DiscoveryError(
+            f"--output-tokens {plan.output_tokens.describe()} leaves no room for a prompt in the context of "
+            + ", ".join(tight)
+        )
+    names = plan.metrics_names if args.metrics_name else server_metrics.GENERATION_METRICS
+    return replace(
+        plan,
+        generate=True,
+        protocols=plan.protocols or (DEFAULT_GENERATION_PROTOCOL,),
+        metrics_names=names,
+        metrics_also=server_metrics.GENERATION_ALSO,
+    ), models
 
 
 async def _drive(plan: Plan, outcome: Outcome, progress: Progress) -> None:
@@ -234,8 +313,38 @@ def _grpc_address(args: argparse.Namespace) -> str:
     return address
 
 
+def _protocols(args: argparse.Namespace) -> tuple[tuple[str, ...], bool | None]:
+    """--protocol's list (empty when not given: the kind's default) and whether the run generates (True: --generate
+    or a generation-only protocol; False: a classifier-only protocol; None: as the models are)."""
+    if args.protocol is None:
+        return (), True if args.generate else None
+    names = tuple(name.strip() for name in args.protocol.split(",") if name.strip())
+    generation_only = [n for n in names if n in GENERATION_PROTOCOLS and n not in PROTOCOLS]
+    if args.generate or generation_only:
+        wrong = [n for n in names if n not in GENERATION_PROTOCOLS]
+        if wrong or len(set(names)) != len(names) or not names:
+            raise WorkloadError(
+                f"--protocol {args.protocol!r}: generation takes one or more of {', '.join(GENERATION_PROTOCOLS)}, "
+                "each once" + (f" ({', '.join(wrong)} is a classifier's)" if wrong else "")
+            )
+        return names, True
+    protocols = parse_protocols(args.protocol)
+    return protocols, None if protocols == ("grpc",) else False
+
+
+def _generation(args: argparse.Namespace) -> tuple[TokenSpec, TokenSpec, Slo]:
+    """The generation flags, checked whatever the run turns out to load (a bad one is a mistake either way)."""
+    prompt = TokenSpec.parse(args.prompt_tokens, "--prompt-tokens", least=2)  # BOS and one byte at least
+    output = TokenSpec.parse(args.output_tokens, "--output-tokens", least=1)
+    for flag, value in (("--slo-ttft-ms", args.slo_ttft_ms), ("--slo-itl-ms", args.slo_itl_ms)):
+        if value is not None and not value > 0:
+            raise WorkloadError(f"{flag} must be > 0 ms, got {value:g}")
+    return prompt, output, Slo(args.slo_ttft_ms, args.slo_itl_ms)
+
+
 def _plan(args: argparse.Namespace) -> Plan:
-    """The run's plan from the arguments (models still empty); ValueError names the first bad argument."""
+    """The run's plan from the arguments (models still empty; with no --protocol, no protocols yet: `_workload`
+    fills in the kind's default); ValueError names the first bad argument."""
     seq_len = SeqLenSpec.parse(args.seq_len)
     if seq_len.kind == "file":
         read_texts(seq_len.path)
@@ -243,9 +352,13 @@ def _plan(args: argparse.Namespace) -> Plan:
         raise WorkloadError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.metrics_url:
         check_loopback(args.metrics_url, args.allow_remote)
-    protocols = parse_protocols(args.protocol)
+    protocols, generate = _protocols(args)
+    prompt, output, slo = _generation(args)
+    if generate and args.batch_size != 1:
+        raise WorkloadError(f"--batch-size {args.batch_size}: a generation request is one prompt")
     if args.grpc_url and "grpc" not in protocols:
         raise WorkloadError(f"--grpc-url is for --protocol grpc, and --protocol {args.protocol!r} has no grpc")
+    metrics_names = args.metrics_name or ",".join(server_metrics.DEFAULT_METRICS)
     return Plan(
         base_url=check_loopback(args.url, args.allow_remote),
         models=(),
@@ -256,10 +369,14 @@ def _plan(args: argparse.Namespace) -> Plan:
         protocols=protocols,
         grpc_url=_grpc_address(args) if "grpc" in protocols else "",
         metrics_url=args.metrics_url,
-        metrics_names=tuple(n.strip() for n in args.metrics_name.split(",") if n.strip()),
+        metrics_names=tuple(n.strip() for n in metrics_names.split(",") if n.strip()),
         metrics_match=_label_pairs(args.metrics_match),
         metrics_wait_s=args.metrics_wait,
         seed=args.seed,
+        generate=generate,  # type: ignore[arg-type]  # None until the models say
+        prompt_tokens=prompt,
+        output_tokens=output,
+        slo=slo,
     )
 
 
@@ -297,7 +414,11 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or f"reports/{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
     meta, outcome = _meta(args, argv, plan), Outcome()
     try:
-        plan = replace(plan, models=tuple(_discover(args, plan, outcome)))
+        plan, models = _discover(args, plan, outcome)
+        plan = replace(plan, models=tuple(models))
+        meta |= _workload_meta(args, plan)
+        if plan.generate:  # a classifier's settings, not used
+            del meta["seq_len"], meta["batch_size"]
     except DiscoveryError as exc:
         _finish(out, meta, outcome, f"nothing measured: {exc}")
         return _fail(f"{exc} (report: {out})", 2)

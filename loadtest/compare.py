@@ -13,6 +13,9 @@ from loadtest.stats import LevelResult
 
 METRICS = ("p50", "p99", "throughput_rps")
 ROUTE_METRICS = ("agreement",)  # only where A or B measured one (reports from before routes have none)
+# a decoder's, only where A or B measured one: its streams' TTFT and ITL, output tokens/s and goodput share
+GENERATION_METRICS = ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "output_tokens_per_s", "goodput")
+OPTIONAL = ROUTE_METRICS + GENERATION_METRICS
 
 
 @dataclass(frozen=True)
@@ -30,7 +33,21 @@ class Comparison:
 def _value(r: LevelResult, metric: str) -> float:
     if metric == "agreement":
         return r.agreement_rate
+    if metric in GENERATION_METRICS:
+        return _generation_value(r, metric)
     return r.throughput_rps if metric == "throughput_rps" else r.latency_ms.get(metric, math.nan)
+
+
+def _generation_value(r: LevelResult, metric: str) -> float:
+    g = r.generation
+    if metric == "output_tokens_per_s":
+        value = g.get(metric)
+    elif metric == "goodput":
+        value = (g.get("goodput") or {}).get("share")  # type: ignore[union-attr]
+    else:
+        name, q = metric.split("_")
+        value = (g.get(f"{name}_ms") or {}).get(q)  # type: ignore[union-attr]
+    return float(value) if isinstance(value, int | float) else math.nan
 
 
 def ratio(a: float, b: float) -> float:
@@ -50,7 +67,7 @@ def compare(a: list[LevelResult], b: list[LevelResult]) -> tuple[list[Comparison
         if rb is None:
             continue
         values = {}
-        for metric in METRICS + ROUTE_METRICS:
+        for metric in METRICS + OPTIONAL:
             va, vb = _value(ra, metric), _value(rb, metric)
             if metric in METRICS or not (math.isnan(va) and math.isnan(vb)):
                 values[metric] = (va, vb, ratio(va, vb))
@@ -64,13 +81,15 @@ def _fmt(x: float, digits: int = 2) -> str:
     return "-" if math.isnan(x) else f"{x:.{digits}f}"
 
 
-_NAMES = {"throughput_rps": "req/s", "agreement": "agreement %"}
-_SCALE = {"agreement": 100.0}  # a rate, shown in percent
+_NAMES = {"throughput_rps": "req/s", "agreement": "agreement %", "output_tokens_per_s": "out tok/s"}
+_NAMES |= {"goodput": "goodput %", "ttft_p50": "TTFT p50 ms", "ttft_p99": "TTFT p99 ms"}
+_NAMES |= {"itl_p50": "ITL p50 ms", "itl_p99": "ITL p99 ms"}
+_SCALE = {"agreement": 100.0, "goodput": 100.0}  # rates, shown in percent
 
 
 def markdown(rows: list[Comparison], only: list[str], label_a: str, label_b: str) -> str:
     lines = ["# Load test comparison", "", f"- A: {label_a}", f"- B: {label_b}", "- ratio: B / A", ""]
-    metrics = [*METRICS, *(m for m in ROUTE_METRICS if any(m in row.values for row in rows))]
+    metrics = [*METRICS, *(m for m in OPTIONAL if any(m in row.values for row in rows))]
     headers = ["model", "h", "precision", "protocol", "level"]
     for metric in metrics:
         name = _NAMES.get(metric, f"{metric} ms")

@@ -57,6 +57,12 @@ class ModelInfo:
     precision: str = DEFAULT_PRECISION
     quantized_from: str = ""  # an int8 or fp16 variant's fp32 source model, e.g. mha-h8-d512
     route: Route | None = None
+    arch: str = "classifier"  # or "decoder": load-tested with streamed completions (a server from before: classifier)
+    kv_heads: int = 0  # a decoder's key/value heads
+
+    @property
+    def is_decoder(self) -> bool:
+        return self.arch == "decoder"
 
     @property
     def measurable(self) -> bool:
@@ -148,7 +154,18 @@ def parse_model(entry: object) -> ModelInfo:
     precision = _as_str(entry, "precision", DEFAULT_PRECISION)
     quantized_from = _as_str(entry, "quantized_from", "")
     backend = str(entry.get("backend", ""))
-    return ModelInfo(name, **values, backend=backend, ready=ready, precision=precision, quantized_from=quantized_from)
+    arch = _as_str(entry, "arch", "classifier")
+    kv_heads = _as_int(entry, "kv_heads", name) if arch == "decoder" else 0
+    return ModelInfo(
+        name,
+        **values,
+        backend=backend,
+        ready=ready,
+        precision=precision,
+        quantized_from=quantized_from,
+        arch=arch,
+        kv_heads=kv_heads,
+    )
 
 
 def _number(value: object) -> bool:

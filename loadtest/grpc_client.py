@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
 import numpy as np
@@ -106,6 +106,7 @@ class GrpcPool:
         self.timeout_s = timeout_s
         self._channel = grpc.aio.insecure_channel(address)
         self._methods: dict[str, grpc.aio.UnaryUnaryMultiCallable] = {}
+        self._streams: dict[str, grpc.aio.UnaryStreamMultiCallable] = {}
 
     async def post(self, path: str, body: bytes, headers: Sequence[tuple[str, str]] = ()) -> Response:
         """Call `path` with `body` (`headers` are HTTP's: a request message carries all it needs)."""
@@ -115,12 +116,28 @@ class GrpcPool:
         try:
             return Response(200, await method(body, timeout=self.timeout_s))
         except grpc.aio.AioRpcError as exc:
-            code, details = exc.code(), exc.details() or ""
-            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise HTTPError("timeout", f"no answer within {self.timeout_s:g} s") from None
-            if code == grpc.StatusCode.UNAVAILABLE and "connect" in details.lower():
-                raise HTTPError("connect_error", f"cannot connect to {self.address}: {details}") from None
-            return Response(HTTP_STATUS.get(code, 500), json.dumps({"error": f"{code.name}: {details}"}).encode())
+            return self._failed(exc)
+
+    async def stream(self, path: str, body: bytes, on_message: Callable[[bytes], None]) -> Response:
+        """Call the server-streaming method `path` with `body`, handing each answer message to `on_message` as it
+        arrives; a 200 with an empty body when the stream ends well, a failed call as `post` answers it."""
+        method = self._streams.get(path)
+        if method is None:
+            method = self._streams[path] = self._channel.unary_stream(path)  # bytes in, bytes out
+        try:
+            async for message in method(body, timeout=self.timeout_s):
+                on_message(message)
+        except grpc.aio.AioRpcError as exc:
+            return self._failed(exc)
+        return Response(200, b"")
+
+    def _failed(self, exc: grpc.aio.AioRpcError) -> Response:
+        code, details = exc.code(), exc.details() or ""
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            raise HTTPError("timeout", f"no answer within {self.timeout_s:g} s") from None
+        if code == grpc.StatusCode.UNAVAILABLE and "connect" in details.lower():
+            raise HTTPError("connect_error", f"cannot connect to {self.address}: {details}") from None
+        return Response(HTTP_STATUS.get(code, 500), json.dumps({"error": f"{code.name}: {details}"}).encode())
 
     async def aclose(self) -> None:
         await self._channel.close()

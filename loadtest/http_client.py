@@ -15,7 +15,7 @@ import asyncio
 import socket
 import ssl
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import BinaryIO
 from urllib.parse import urlsplit
@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 _RETRYABLE = (ConnectionResetError, BrokenPipeError, asyncio.IncompleteReadError)
+OnData = Callable[[bytes], None]  # takes each piece of a streamed body as it arrives
 
 
 class HTTPError(Exception):
@@ -44,7 +45,8 @@ class _Closed(Exception):
     """The server closed a connection before answering (a reused keep-alive connection may be retried)."""
 
 
-async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
+async def _read_chunked(reader: asyncio.StreamReader, on_data: OnData | None = None) -> bytes:
+    """A chunked body; with `on_data`, each chunk is handed to it as it arrives instead (and b"" returned)."""
     parts = []
     while True:
         size = int((await reader.readline()).split(b";")[0].strip() or b"0", 16)
@@ -52,12 +54,17 @@ async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
             while (await reader.readline()) not in (b"\r\n", b"\n", b""):
                 pass  # trailers
             return b"".join(parts)
-        parts.append(await reader.readexactly(size))
+        chunk = await reader.readexactly(size)
+        if on_data is None:
+            parts.append(chunk)
+        else:
+            on_data(chunk)
         await reader.readexactly(2)  # CRLF after each chunk
 
 
-async def _read_response(reader: asyncio.StreamReader) -> tuple[Response, bool]:
-    """One response from the stream, and whether the connection can be reused."""
+async def _read_response(reader: asyncio.StreamReader, on_data: OnData | None = None) -> tuple[Response, bool]:
+    """One response from the stream, and whether the connection can be reused. With `on_data`, a 200's body is
+    handed to it piece by piece as it arrives (a server-sent event stream) and the Response's body is empty."""
     status_line = await reader.readline()
     if not status_line:
         raise _Closed("the server closed the connection")
@@ -75,12 +82,20 @@ async def _read_response(reader: asyncio.StreamReader) -> tuple[Response, bool]:
             chunked = b"chunked" in value
         elif name == b"connection":
             keep = value == b"keep-alive" or (keep and value != b"close")
+    streamed = on_data if int(status) == 200 else None
     if chunked:
-        body = await _read_chunked(reader)
+        body = await _read_chunked(reader, streamed)
     elif length is not None:
         body = await reader.readexactly(length)
+    elif streamed is not None:
+        body, keep = b"", False  # until the server closes
+        while piece := await reader.read(65536):
+            streamed(piece)
     else:
         body, keep = await reader.read(), False  # until the server closes
+    if streamed is not None and body:
+        streamed(body)
+        body = b""
     return Response(int(status), body, headers), keep
 
 
@@ -112,12 +127,14 @@ class ConnectionPool:
         )
         return head + body
 
-    async def _exchange(self, conn: tuple[asyncio.StreamReader, asyncio.StreamWriter], raw: bytes) -> Response:
+    async def _exchange(
+        self, conn: tuple[asyncio.StreamReader, asyncio.StreamWriter], raw: bytes, on_data: OnData | None = None
+    ) -> Response:
         reader, writer = conn
         try:
             writer.write(raw)
             await writer.drain()
-            response, keep = await _read_response(reader)
+            response, keep = await _read_response(reader, on_data)
         except BaseException:  # timed out, cancelled or broken: this connection is in an unknown state
             writer.close()
             raise
@@ -127,19 +144,32 @@ class ConnectionPool:
             writer.close()
         return response
 
-    async def post(self, path: str, body: bytes, headers: Sequence[tuple[str, str]] = ()) -> Response:
+    async def post(
+        self, path: str, body: bytes, headers: Sequence[tuple[str, str]] = (), on_data: OnData | None = None
+    ) -> Response:
         """POST a JSON body (with `headers` added: a binary body's Inference-Header-Content-Length); HTTPError when no
-        HTTP answer came (refused, timed out, closed, malformed)."""
+        HTTP answer came (refused, timed out, closed, malformed). With `on_data`, a 200's body goes to it as it
+        arrives (server-sent events), and the timeout bounds the whole stream."""
         raw = self.request_bytes(path, body, headers)
+        received = 0
+
+        def counted(piece: bytes) -> None:
+            nonlocal received
+            received += len(piece)
+            on_data(piece)  # type: ignore[misc]
+
+        sink = counted if on_data is not None else None
         try:
             async with asyncio.timeout(self.timeout_s):
                 while self._idle:  # a reused connection the server has closed meanwhile: try the next, then a new one
                     conn = self._idle.pop()
                     try:
-                        return await self._exchange(conn, raw)
+                        return await self._exchange(conn, raw, sink)
                     except (_Closed, *_RETRYABLE):
+                        if received:  # a stream broken midway is not sent again: its first part was measured
+                            raise
                         continue
-                return await self._exchange(await self._connect(), raw)
+                return await self._exchange(await self._connect(), raw, sink)
         except TimeoutError:
             raise HTTPError("timeout", f"no answer within {self.timeout_s:g} s") from None
         except (_Closed, *_RETRYABLE, ConnectionError) as exc:

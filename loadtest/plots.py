@@ -1,4 +1,5 @@
-"""The report's PNG plots (matplotlib, Agg): latency versus h, throughput versus concurrency, latency-throughput.
+"""The report's PNG plots (matplotlib, Agg): latency versus h, throughput versus concurrency, latency-throughput;
+for decoders, TTFT and ITL per head configuration (generation_latency.png).
 
 Models of the same h at different precisions (an fp32 model and its int8 variant) are separate lines throughout, and
 so is each protocol of a run that measured several. A route is a line of its own except against h (it has no one h).
@@ -142,10 +143,58 @@ def latency_throughput(results: list[LevelResult], path: Path) -> bool:
     return True
 
 
+def generation_name(r: LevelResult, with_protocol: bool = False) -> str:
+    return f"h={r.heads} kv={r.kv_heads}{f' {r.protocol}' if with_protocol else ''} ({r.model})"
+
+
+def generation_latency(results: list[LevelResult], path: Path) -> bool:
+    """A decoder's TTFT and ITL p50/p99 per head configuration (and protocol): bars at one load level, lines
+    against concurrency where several closed-loop levels were measured (open-loop levels then left out)."""
+    measured = [r for r in results if r.is_generation and r.ok > 0]
+    if not measured:
+        return False
+    with_protocol = _several_protocols(measured)
+    closed = [r for r in measured if r.mode == "closed"]
+    against_load = len({r.concurrency for r in closed}) > 1
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    panels = (("ttft_ms", "time to first token"), ("itl_ms", "inter-token latency"))
+    for ax, (key, title) in zip(axes, panels, strict=True):
+        if against_load:
+            groups: dict[str, list[LevelResult]] = {}
+            for r in sorted(closed, key=lambda r: (r.heads, r.kv_heads, r.model, r.protocol, r.concurrency)):
+                groups.setdefault(generation_name(r, with_protocol), []).append(r)
+            for i, (name, rows) in enumerate(groups.items()):
+                for q, style in (("p50", "o-"), ("p99", "^:")):
+                    y = [r.generation[key].get(q, float("nan")) for r in rows]  # type: ignore[union-attr]
+                    ax.plot([r.concurrency for r in rows], y, style, color=f"C{i % 10}", label=f"{q} {name}")
+            ax.set_xscale("log", base=2)
+            levels = sorted({r.concurrency for r in closed})
+            ax.set_xticks(levels, [str(c) for c in levels])
+            ax.set_xlabel("concurrency (closed loop)")
+        else:
+            names = [f"{generation_name(r, with_protocol)}\n{r.level}" for r in measured]
+            x = list(range(len(measured)))
+            for offset, q in ((-0.2, "p50"), (0.2, "p99")):
+                y = [r.generation[key].get(q, float("nan")) for r in measured]  # type: ignore[union-attr]
+                ax.bar([i + offset for i in x], y, width=0.4, label=q)
+            ax.set_xticks(x, names, fontsize=7)
+        ax.set_ylabel(f"client {title} (ms)")
+        ax.set_title(title)
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("Generation: TTFT and ITL per head configuration" + (" versus load" if against_load else ""))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def write_plots(results: list[LevelResult], out_dir: Path) -> list[str]:
-    """Write every plot that has data; returns the file names written."""
+    """Write every plot that has data; returns the file names written. A decoder's levels are in the generation
+    plot only (their request latency is a whole stream's)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
+    written = ["generation_latency.png"] if generation_latency(results, out_dir / "generation_latency.png") else []
+    results = [r for r in results if not r.is_generation]
     for name, draw in (
         ("latency_vs_heads.png", latency_vs_heads),
         ("throughput_vs_concurrency.png", throughput_vs_concurrency),

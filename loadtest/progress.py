@@ -28,10 +28,16 @@ class Progress:
         p50 = f"{percentile(recent, 50) * 1000:.1f} ms" if recent else "-"
         rate = rec.ok / elapsed if elapsed > 0 else 0.0
         dropped = f"  {rec.dropped} dropped" if rec.dropped else ""
-        return (
+        text = (
             f"{label}  {elapsed:5.1f}/{total:.0f}s  sent {rec.sent}  ok {rec.ok}  errors {failed}{dropped}  "
             f"{rate:.0f} req/s  p50 {p50}"
         )
+        if rec.streams:  # a generation level: p50 is the whole stream's; the first token's and the tokens' rate
+            recent_streams = rec.streams[-500:]
+            ttft = percentile([s.ttft_s for s in recent_streams], 50) * 1000
+            tokens = sum(s.tokens for s in rec.streams) / elapsed if elapsed > 0 else 0.0
+            text += f"  TTFT p50 {ttft:.1f} ms  {tokens:.0f} tok/s"
+        return text
 
     async def watch(self, label: str, rec: Recorder) -> None:
         """Run beside a phase (cancel it when the phase ends)."""
@@ -60,6 +66,11 @@ class Progress:
         )
         if result.is_route:
             text += f"; {routes.summary(result)}"
+        ttft, itl = result.generation.get("ttft_ms"), result.generation.get("itl_ms")
+        if isinstance(ttft, dict) and ttft and isinstance(itl, dict):
+            itl_p50 = f"{itl['p50']:.1f} ms" if itl else "-"
+            tokens = result.generation.get("output_tokens_per_s", 0.0)
+            text += f"; TTFT p50 {ttft['p50']:.1f} ms, ITL p50 {itl_p50}, {tokens:.1f} output tokens/s"
         self.stream.write(("\r\033[K" if self.tty else "") + text + "\n")
         self.stream.flush()
 

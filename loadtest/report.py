@@ -1,6 +1,8 @@
 """Writing and reading a run's report: report.json (everything), report.csv (one row per level), report.md (tables).
 
 A route's level also has its share per target beside the configured weights and, with a shadow, the agreement.
+A decoder's level has its streams' TTFT, ITL, TPOT and e2e percentiles, output tokens/s and goodput (a table of its
+own), and a generation run writes streams.csv too: a row per successful stream.
 """
 
 from __future__ import annotations
@@ -32,7 +34,15 @@ CSV_COLUMNS = (
     + ["shadow_model"]
     + [f"shadow_{o}" for o in OUTCOMES]
     + ["shadow_rows", "shadow_agreeing_rows", "agreement_rate", "max_abs_logit_diff_p50", "max_abs_logit_diff_p99"]
+    # a decoder's (empty for a classifier): its streams' figures; its p50_ms.. are the streams' end to end, and its
+    # server_* the TTFT histogram's
+    + ["kv_heads", "prompt_tokens", "output_tokens", "output_tokens_per_s"]
+    + [f"{m}_{q}_ms" for m in ("ttft", "itl", "tpot") for q in ("p50", "p90", "p99")]
+    + ["slo_ttft_ms", "slo_itl_ms", "goodput_share", "goodput_rps", "server_itl_count", "server_itl_p50_ms"]
+    + ["server_itl_p99_ms"]
 )
+STREAM_COLUMNS = ["model", "protocol", "level", "prompt_tokens", "output_tokens", "ttft_ms", "itl_max_ms"]
+STREAM_COLUMNS += ["itl_mean_ms", "tpot_ms", "e2e_ms", "meets_slo"]
 NOT_AVAILABLE = "n/a"
 
 
@@ -55,7 +65,36 @@ def csv_row(r: LevelResult) -> dict[str, object]:
     row |= {f"{k}_ms": r.latency_ms.get(k, "") for k in LATENCY_KEYS}
     row |= {"send_lag_p99_ms": r.send_lag_p99_ms, "client_cpu_pct": r.client_cpu_pct, "stopped_by": r.stopped_by}
     row |= {f"server_{k}" + ("" if k == "count" else "_ms"): r.server.get(k, "") for k in SERVER_KEYS}
-    return row | route_cells(r)
+    return row | route_cells(r) | generation_cells(r)
+
+
+def _server_itl(r: LevelResult) -> dict[str, object]:
+    """A decoder's server-side inter-token latency percentiles ({} where not read)."""
+    also = r.generation.get("server_also")
+    found = [v for k, v in also.items() if "inter_token" in k] if isinstance(also, dict) else []
+    return found[0] if found and isinstance(found[0], dict) else {}
+
+
+def _goodput(r: LevelResult) -> dict[str, object]:
+    goodput = r.generation.get("goodput")
+    return goodput if isinstance(goodput, dict) else {}
+
+
+def generation_cells(r: LevelResult) -> dict[str, object]:
+    """The generation columns of a level's CSV row (empty for a classifier)."""
+    if not r.is_generation:
+        return {}
+    g = r.generation
+    row: dict[str, object] = {"kv_heads": r.kv_heads}
+    row |= {k: g.get(k, "") for k in ("prompt_tokens", "output_tokens", "output_tokens_per_s")}
+    for m in ("ttft", "itl", "tpot"):
+        summary = g.get(f"{m}_ms")
+        row |= {f"{m}_{q}_ms": summary.get(q, "") if isinstance(summary, dict) else "" for q in ("p50", "p90", "p99")}
+    goodput = _goodput(r)
+    row |= {"slo_ttft_ms": goodput.get("slo_ttft_ms", ""), "slo_itl_ms": goodput.get("slo_itl_ms", "")}
+    row |= {"goodput_share": goodput.get("share", ""), "goodput_rps": goodput.get("rate_rps", "")}
+    itl = _server_itl(r)
+    return row | {f"server_itl_{k}" + ("" if k == "count" else "_ms"): itl.get(k, "") for k in ("count", "p50", "p99")}
 
 
 def _pairs(values: dict[str, object]) -> str:
@@ -122,6 +161,33 @@ def level_rows(results: list[LevelResult], with_server: bool) -> tuple[list[str]
     return headers, rows
 
 
+def generation_rows(results: list[LevelResult], with_server: bool) -> tuple[list[str], list[list[object]]]:
+    """The generation table: one row per decoder, level and protocol: the streams' percentiles (ms), output tokens
+    per second and goodput, and the server's own TTFT and ITL beside them."""
+    headers = ["model", "h", "kv", "precision", "protocol", "level", "ok", "errors", "req/s", "out tok/s"]
+    names = (("ttft_ms", "TTFT"), ("itl_ms", "ITL"), ("tpot_ms", "TPOT"), ("e2e_ms", "e2e"))
+    headers += [f"{name} {q}" for _, name in names for q in ("p50", "p90", "p99")]
+    headers += ["goodput %", "goodput req/s"]
+    if with_server:
+        headers += ["server TTFT n", "server TTFT p50", "server TTFT p99", "server ITL p50", "server ITL p99"]
+    rows = []
+    for r in results:
+        g = r.generation
+        row: list[object] = [r.model, r.heads, r.kv_heads, r.precision, r.protocol, r.level, r.ok]
+        row += [sum(r.errors.values()), r.throughput_rps, g.get("output_tokens_per_s", "")]
+        for key, _ in names:
+            summary = g.get(key)
+            row += [summary.get(q, "") if isinstance(summary, dict) else "" for q in ("p50", "p90", "p99")]
+        share = _goodput(r).get("share")
+        row += [100 * share if isinstance(share, int | float) else "", _goodput(r).get("rate_rps", "")]
+        if with_server:
+            itl = _server_itl(r)
+            row += [r.server.get("count", ""), r.server.get("p50", ""), r.server.get("p99", "")]
+            row += [itl.get("p50", ""), itl.get("p99", "")]
+        rows.append(row)
+    return headers, rows
+
+
 def share_rows(results: list[LevelResult]) -> tuple[list[str], list[list[object]]]:
     """A row per route level and model that answered (its targets first): its weight and its share of the answers."""
     headers = ["route", "protocol", "level", "ok", "answered by", "weight %", "share %", "answers"]
@@ -169,7 +235,9 @@ def protocol_rows(results: list[LevelResult]) -> tuple[list[str], list[list[obje
 def markdown(report: dict[str, object], results: list[LevelResult], plots: list[str]) -> str:
     """report.md: settings, status, the per-level table, errors with an example message, notes, plots."""
     lines = ["# Load test report", ""]
-    for key in ("status", "message", "measured", "url", "started_at", "finished_at", "protocol", "seq_len"):
+    keys = ("status", "message", "measured", "url", "started_at", "finished_at", "workload", "protocol", "seq_len")
+    keys += ("prompt_tokens", "output_tokens", "slo_ttft_ms", "slo_itl_ms")
+    for key in keys:
         if report.get(key) not in (None, ""):
             lines.append(f"- {key}: {report[key]}")
     limits = report.get("limits")
@@ -185,11 +253,17 @@ def markdown(report: dict[str, object], results: list[LevelResult], plots: list[
     metrics = sorted({str(r.server["metric"]) for r in results if "metric" in r.server})
     if metrics:
         lines.append(f"- server-side latency: histogram {', '.join(metrics)}, observations during each level only")
-    lines += ["", "## Per model and load level", ""]
-    if results:
-        headers, rows = level_rows(results, with_server=any("count" in r.server for r in results))
+    generating = [r for r in results if r.is_generation]
+    classifying = [r for r in results if not r.is_generation]
+    if generating:
+        lines += ["", "## Generation per model and load level (ms; a request is good within both SLOs)", ""]
+        lines += _table(*generation_rows(generating, with_server=any("count" in r.server for r in generating)))
+    if classifying or not results:
+        lines += ["", "## Per model and load level", ""]
+    if classifying:
+        headers, rows = level_rows(classifying, with_server=any("count" in r.server for r in classifying))
         lines += _table(headers, rows)
-    else:
+    elif not results:
         lines.append("Nothing was measured.")
     if len({r.protocol for r in results}) > 1:
         lines += ["", "## Per model and load level, protocols side by side", "", *_table(*protocol_rows(results))]
@@ -213,9 +287,21 @@ def markdown(report: dict[str, object], results: list[LevelResult], plots: list[
     return "\n".join(lines) + "\n"
 
 
-def write_report(out_dir: Path, report: dict[str, object], results: list[LevelResult], plots: list[str]) -> None:
-    """Write report.json, report.csv and report.md into out_dir (created if needed)."""
+def write_report(
+    out_dir: Path,
+    report: dict[str, object],
+    results: list[LevelResult],
+    plots: list[str],
+    streams: list[dict[str, object]] | None = None,
+) -> None:
+    """Write report.json, report.csv and report.md into out_dir (created if needed), and for a generation run
+    streams.csv (a row per successful stream)."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    if streams:
+        with (out_dir / "streams.csv").open("w", newline="", encoding="utf-8") as f:
+            writer = csv.DictWriter(f, fieldnames=STREAM_COLUMNS)
+            writer.writeheader()
+            writer.writerows(streams)
     (out_dir / "report.json").write_text(json.dumps(report, indent=2, sort_keys=False) + "\n", encoding="utf-8")
     with (out_dir / "report.csv").open("w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)

@@ -21,6 +21,7 @@ from loadtest.grpc_client import GrpcPool
 from loadtest.http_client import ConnectionPool, HTTPError, Response
 from loadtest.routes import UNNAMED
 from loadtest.stats import LevelResult, latency_summary, percentile
+from loadtest.streams import StreamTiming, stream_request
 from loadtest.workload import DEFAULT_PROTOCOL, RequestBody
 
 _HEADERS = {"content-type": "application/json"}
@@ -63,6 +64,7 @@ class Target:
     protocol: str = DEFAULT_PROTOCOL
     check: Callable[[Response, int], str] | None = None  # (answer, sequences asked) -> problem
     answered_by: Callable[[Response], str] | None = None  # (answer) -> the model that answered it, "" if unnamed
+    generate: bool = False  # each request a streamed completion (loadtest.streams), timed per token
 
 
 class Recorder:
@@ -75,6 +77,7 @@ class Recorder:
         self.stop = stop
         self.sent = self.ok = self.sequences = self.dropped = 0
         self.latencies: list[float] = []
+        self.streams: list[StreamTiming] = []  # a generation level's successful streams
         self.lags: list[float] = []
         self.errors: Counter[str] = Counter()
         self.examples: dict[str, str] = {}
@@ -107,15 +110,23 @@ class Recorder:
         return True
 
     def record(
-        self, latency_s: float, error: str, message: str, sequences: int, answered_by: str | None = None
+        self,
+        latency_s: float,
+        error: str,
+        message: str,
+        sequences: int,
+        answered_by: str | None = None,
+        stream: StreamTiming | None = None,
     ) -> None:
         """One answer: its latency, its error ("" for a success, `message` for an example of it); for a route's
-        success, the model that answered ("" when the answer does not say)."""
+        success, the model that answered ("" when the answer does not say); for a stream, its timing."""
         self.last_done = time.perf_counter()
         if not error:
             self.ok += 1
             self.sequences += sequences
             self.latencies.append(latency_s)
+            if stream is not None:
+                self.streams.append(stream)
             if answered_by is not None:
                 self.answered_by[answered_by or UNNAMED] += 1
             return
@@ -161,6 +172,7 @@ class Recorder:
             error_examples=dict(self.examples),
             targets=m.route.weights() if m.route else {},
             answered_by=dict(self.answered_by),
+            kv_heads=m.kv_heads,
         )
 
 
@@ -181,6 +193,17 @@ async def post(pool: ConnectionPool | GrpcPool, target: Target, body: RequestBod
     except (ValueError, AttributeError):
         message = response.body[:300].decode("utf-8", errors="replace")
     return str(response.status), message, None
+
+
+async def send(
+    pool: ConnectionPool | GrpcPool, target: Target, body: RequestBody, start: float
+) -> tuple[str, str, str | None, StreamTiming | None]:
+    """One request (`post`), or for a generating target one stream timed from `start`: (error, message, answered
+    by, the stream's timing)."""
+    if target.generate:
+        error, message, timing = await stream_request(pool, target.path, target.protocol, body, start)
+        return error, message, None, timing
+    return (*await post(pool, target, body), None)
 
 
 def poisson_schedule(rate: float, duration_s: float, max_requests: int, rng: random.Random) -> list[float]:
@@ -204,8 +227,8 @@ async def closed_loop(pool: ConnectionPool, target: Target, workers: int, rec: R
             body = bodies[k % len(bodies)]
             k += workers
             t = time.perf_counter()
-            error, message, answered_by = await post(pool, target, body)
-            rec.record(time.perf_counter() - t, error, message, body.sequences, answered_by)
+            error, message, answered_by, stream = await send(pool, target, body, t)
+            rec.record(time.perf_counter() - t, error, message, body.sequences, answered_by, stream)
 
     await asyncio.gather(*(worker(i) for i in range(workers)))
 
@@ -217,8 +240,8 @@ async def open_loop(pool: ConnectionPool, target: Target, rate: float, cap: int,
 
     async def one(scheduled: float, body: RequestBody) -> None:
         rec.lags.append(time.perf_counter() - scheduled)
-        error, message, answered_by = await post(pool, target, body)
-        rec.record(time.perf_counter() - scheduled, error, message, body.sequences, answered_by)
+        error, message, answered_by, stream = await send(pool, target, body, scheduled)
+        rec.record(time.perf_counter() - scheduled, error, message, body.sequences, answered_by, stream)
 
     try:
         for i, at in enumerate(schedule):

@@ -16,6 +16,10 @@ import httpx
 # Tried in order; the first with observations for the model is used: the service's end-to-end latency at its
 # ingress (labelled by model), else Ray Serve's own processing latency of the model's deployment (named after it).
 DEFAULT_METRICS = ("ray_mha_request_latency_seconds", "ray_serve_deployment_processing_latency_ms")
+# A decoder's: time to first token is observed once per request, so it is the one whose count is waited for; the
+# inter-token latency is read from the same scrapes.
+GENERATION_METRICS = ("ray_mha_time_to_first_token_seconds",)
+GENERATION_ALSO = ("ray_mha_inter_token_latency_seconds",)
 IDLE_GRACE_FRACTION = 0.6  # of --metrics-wait: how long a preferred histogram without new data is waited for
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')

@@ -13,15 +13,19 @@ from dataclasses import dataclass, field, replace
 
 import httpx
 
-from loadtest import server_metrics
+from loadtest import server_metrics, streams
 from loadtest.agreement import ShadowCounts, ShadowMeter
 from loadtest.discovery import ModelInfo
 from loadtest.progress import Progress
 from loadtest.routes import ANSWERED_BY
 from loadtest.runner import Level, Limits, Recorder, Target, make_pool, run_phase
-from loadtest.stats import LevelResult
+from loadtest.stats import LevelResult, Slo, generation_summary
+from loadtest.streams import StreamTiming, TokenSpec
 from loadtest.workload import ANSWER_CHECKS, DEFAULT_PROTOCOL, SeqLenSpec, build_bodies, endpoint
 
+DEFAULT_PROMPT = TokenSpec(32, 32, "--prompt-tokens")
+DEFAULT_OUTPUT = TokenSpec(64, 64, "--output-tokens")
+NO_SLO = Slo()
 CLIENT_CPU_WARN_PCT = 70.0  # above this, the report notes that the client may be competing with the service
 
 
@@ -42,6 +46,13 @@ class Plan:
     metrics_match: tuple[tuple[str, str], ...] = ()  # only series with these labels, e.g. (("application", "mha"),)
     metrics_wait_s: float = 20.0
     seed: int = 0
+    # generation (decoders): streamed completions of these prompt and output lengths, goodput under `slo`, and the
+    # server's histograms read beside the one settled on (its inter-token latency)
+    generate: bool = False
+    prompt_tokens: TokenSpec = DEFAULT_PROMPT
+    output_tokens: TokenSpec = DEFAULT_OUTPUT
+    slo: Slo = NO_SLO
+    metrics_also: tuple[str, ...] = ()
 
 
 @dataclass
@@ -52,6 +63,7 @@ class Outcome:
     notes: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     interrupted: bool = False
+    streams: list[dict[str, object]] = field(default_factory=list)  # a row per successful stream (streams.csv)
 
 
 class _ServerSide:
@@ -88,6 +100,17 @@ class _ServerSide:
                 return self._off(str(exc))
             self.base = {name: hist.count(model.name) for name, hist in hists.items()}
 
+    def _also(self, model: str) -> dict[str, server_metrics.Histogram]:
+        """The histograms read beside the settled one (a decoder's ITL), from one more scrape; {} when unreadable
+        (a note says so)."""
+        if not self.plan.metrics_also or not self.enabled:
+            return {}
+        try:
+            return server_metrics.scrape(self.client, self.plan.metrics_url, self.plan.metrics_also, self.match)
+        except server_metrics.MetricsError as exc:
+            self.outcome.notes.append(f"{model}: {', '.join(self.plan.metrics_also)} not read: {exc}")
+            return {}
+
     def settle(self, model: str, ok_since_start: int) -> dict[str, server_metrics.Histogram] | None:
         """A scrape once `model` has `ok_since_start` new observations in a histogram (None when turned off)."""
         if not self.enabled:
@@ -103,11 +126,16 @@ class _ServerSide:
                 names = " or ".join(repr(n) for n in self.names)
                 return self._off(f"no histogram {names} counted {ok_since_start} requests to {model} at {url}")
             self.names = (name,)  # from now on, this one
-        return hists
+        return hists | self._also(model)
 
     def percentiles(self, before: dict, after: dict, model: str) -> dict[str, object]:
         name = self.names[0]
         return server_metrics.server_percentiles(before[name], after[name], model, name)
+
+    def also_percentiles(self, before: dict, after: dict, model: str) -> dict[str, dict[str, object]]:
+        """The percentiles of each histogram read beside the settled one, by name (those read before and after)."""
+        names = [n for n in self.plan.metrics_also if n in before and n in after]
+        return {n: server_metrics.server_percentiles(before[n], after[n], model, n) for n in names}
 
 
 async def _phase(
@@ -150,8 +178,32 @@ def _keep(result: LevelResult, rec: Recorder, outcome: Outcome, progress: Progre
     return True
 
 
+def _generation_targets(model: ModelInfo, plan: Plan, outcome: Outcome) -> list[Target]:
+    """One streaming target per protocol, each carrying the same prompts and output lengths."""
+    args = (plan.prompt_tokens, plan.output_tokens, model.max_len, plan.protocols, model.name)
+    bodies, notes = streams.build_bodies(*args, seed=plan.seed)
+    outcome.notes += [f"{model.name}: {n}" for n in notes]
+    return [
+        Target(model, streams.endpoint(p, model.name), tuple(bodies[p]), 1, p, generate=True) for p in plan.protocols
+    ]
+
+
+def stream_row(result: LevelResult, timing: StreamTiming, slo: Slo) -> dict[str, object]:
+    """One successful stream's figures in ms (streams.csv): what the level's percentiles and goodput are made of."""
+    gaps = timing.gaps_s
+    tpot = timing.tpot_s
+    row: dict[str, object] = {"model": result.model, "protocol": result.protocol, "level": result.level}
+    row |= {"prompt_tokens": timing.prompt_tokens, "output_tokens": timing.tokens}
+    row |= {"ttft_ms": round(timing.ttft_s * 1000, 6), "itl_max_ms": round(max(gaps) * 1000, 6) if gaps else ""}
+    row |= {"itl_mean_ms": round(sum(gaps) / len(gaps) * 1000, 6) if gaps else ""}
+    row |= {"tpot_ms": "" if tpot is None else round(tpot * 1000, 6), "e2e_ms": round(timing.e2e_s * 1000, 6)}
+    return row | {"meets_slo": int(slo.met_by(timing)) if slo.given else ""}
+
+
 def _targets(model: ModelInfo, plan: Plan, outcome: Outcome) -> list[Target]:
     """One target per protocol, each carrying the same texts."""
+    if plan.generate:
+        return _generation_targets(model, plan, outcome)
     args = (plan.seq_len, model.max_len, plan.batch_size, plan.protocols)
     bodies, notes = build_bodies(*args, seed=plan.seed, model=model.name)
     outcome.notes += [f"{model.name}: {n}" for n in notes]
@@ -204,8 +256,15 @@ async def _run_model(
             seen_ok += rec.ok
             result = replace(rec.result(target, level), warmup_sent=warm_sent, warmup_ok=warm_ok)
             after, shadow_after = (None, None) if stop.is_set() else await _settle(server, model, seen_ok)
+            if plan.generate:
+                failed = sum(rec.errors.values())
+                summary = generation_summary(rec.streams, failed, result.duration_s, plan.slo)
+                result = replace(result, generation=summary)
+                outcome.streams += [stream_row(result, timing, plan.slo) for timing in rec.streams]
             if before and after:
                 result = replace(result, server=server.percentiles(before, after, model.name))
+                if also := server.also_percentiles(before, after, model.name):
+                    result = replace(result, generation=result.generation | {"server_also": also})
             if model.route and model.route.shadow:
                 result = replace(result, shadow=server.shadow.report(model.route, shadow_before, shadow_after))
             if not _keep(result, rec, outcome, progress, where):

@@ -5,12 +5,14 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from loadtest.streams import GENERATION_PROTOCOLS, StreamTiming
 from loadtest.workload import DEFAULT_PROTOCOL, PROTOCOLS
 
 PERCENTILES = (50, 90, 95, 99)
 # A model listing or report without a precision comes from before the service served quantized variants: fp32.
 DEFAULT_PRECISION = "fp32"
 PRECISION_ORDER = ("fp32", "fp16", "int8")  # the source model first, then its narrower variants
+ORDER = (*PROTOCOLS, *(p for p in GENERATION_PROTOCOLS if p not in PROTOCOLS))
 
 
 def precision_rank(precision: str) -> int:
@@ -20,7 +22,7 @@ def precision_rank(precision: str) -> int:
 
 def protocol_rank(protocol: str) -> int:
     """Where a protocol sorts among the same model's levels: in the order `--protocol` documents, then any other."""
-    return PROTOCOLS.index(protocol) if protocol in PROTOCOLS else len(PROTOCOLS)
+    return ORDER.index(protocol) if protocol in ORDER else len(ORDER)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -71,6 +73,14 @@ class LevelResult:
     targets: dict[str, float] = field(default_factory=dict)
     answered_by: dict[str, int] = field(default_factory=dict)
     shadow: dict[str, object] = field(default_factory=dict)
+    # a decoder's level (reports from before generation have none): its key/value heads, and the streams' figures
+    # (generation_summary); latency_ms is then the streams' end to end, and `server` the TTFT histogram's
+    kv_heads: int = 0
+    generation: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def is_generation(self) -> bool:
+        return bool(self.generation)
 
     @property
     def is_route(self) -> bool:
@@ -134,4 +144,50 @@ def latency_summary(latencies_s: list[float]) -> dict[str, float]:
     out = {f"p{q}": round(percentile(ms, q), 3) for q in PERCENTILES}
     out["max"] = round(max(ms), 3)
     out["mean"] = round(sum(ms) / len(ms), 3)
+    return out
+
+
+@dataclass(frozen=True)
+class Slo:
+    """Goodput's bounds: a request is good when its TTFT and every one of its inter-token gaps are within them (a
+    bound not given holds for every request)."""
+
+    ttft_ms: float | None = None
+    itl_ms: float | None = None
+
+    @property
+    def given(self) -> bool:
+        return self.ttft_ms is not None or self.itl_ms is not None
+
+    def met_by(self, timing: StreamTiming) -> bool:
+        if self.ttft_ms is not None and timing.ttft_s * 1000 > self.ttft_ms:
+            return False
+        return self.itl_ms is None or all(gap * 1000 <= self.itl_ms for gap in timing.gaps_s)
+
+
+def generation_summary(streams: list[StreamTiming], failed: int, window_s: float, slo: Slo) -> dict[str, object]:
+    """A level's streams: TTFT, ITL (every gap of every stream), TPOT and e2e percentiles (ms), output tokens and
+    their rate, and with an SLO the goodput: the good requests' share of all answered (failures are never good) and
+    their rate."""
+    tpots = [t for s in streams if (t := s.tpot_s) is not None]
+    out: dict[str, object] = {
+        "requests": len(streams),
+        "ttft_ms": latency_summary([s.ttft_s for s in streams]),
+        "itl_ms": latency_summary([gap for s in streams for gap in s.gaps_s]),
+        "tpot_ms": latency_summary(tpots),
+        "e2e_ms": latency_summary([s.e2e_s for s in streams]),
+        "prompt_tokens": sum(s.prompt_tokens for s in streams),
+        "output_tokens": sum(s.tokens for s in streams),
+        "output_tokens_per_s": round(sum(s.tokens for s in streams) / window_s, 3) if window_s > 0 else 0.0,
+    }
+    if slo.given:
+        good = sum(1 for s in streams if slo.met_by(s))
+        answered = len(streams) + failed
+        out["goodput"] = {
+            "slo_ttft_ms": slo.ttft_ms,
+            "slo_itl_ms": slo.itl_ms,
+            "good": good,
+            "share": round(good / answered, 6) if answered else None,
+            "rate_rps": round(good / window_s, 3) if window_s > 0 else 0.0,
+        }
     return out
