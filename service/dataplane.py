@@ -19,7 +19,7 @@ from service.config import AppConfig
 from service.errors import BadRequestError, ModelNotFoundError, OverCapacityError, ServiceError
 from service.generate.output import OPENAI_FINISH_REASONS
 from service.generate.request import GenerateRequest, TokenEvent
-from service.generating import not_a_classifier
+from service.generating import ColocatedDecoder, not_a_classifier
 from service.inference import AttentionMap, InferenceRequest, InferenceResult, Listing, ModelStatus
 from service.limits import check_in_flight
 from service.load import Load
@@ -243,15 +243,19 @@ class DataPlane:
 
     # ---- gauges ----
     def _refresh_decoders(self) -> None:
-        """Each decoder's running and waiting requests and KV cache usage, from its engine (every GAUGE_REFRESH_S)."""
+        """Each co-located decoder's running and waiting requests and KV cache usage, from its engine in this process
+        (every GAUGE_REFRESH_S); a decoder in a deployment of its own has its engine, and these gauges, in its
+        replica (service/deployment.py)."""
         for name in self.models.names:
             placement = self.models.placement(name)
-            state = placement.state() if getattr(placement, "generates", False) else None
-            labels = self.models.labels(name)
-            if state is None or not labels["heads"]:  # not loaded, or not ready yet: no head configuration to label
+            if not isinstance(placement, ColocatedDecoder) or placement.engine is None:
                 continue
+            labels = self.models.labels(name)
+            if not labels["heads"]:  # not seen ready yet: no head configuration to label it with
+                continue
+            state = placement.engine.state()
             decoder = generation_labels(labels, placement.engine.meta.kv_heads)
-            self.metrics.engine_state(decoder, state.running, state.waiting, state.kv_cache_usage)
+            self.metrics.engines.set(decoder, state.running, state.waiting, state.kv_cache_usage)
 
     def _start_gauge_refresher(self) -> None:
         if self._gauge_refresher is None:

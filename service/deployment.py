@@ -7,6 +7,7 @@ For GPU head configurations, or one that must scale on its own; the ingress reac
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 
 import numpy as np
@@ -19,6 +20,9 @@ from service.config import DeploymentSettings
 from service.engine import EngineSettings, ModelEngine, ModelStatus
 from service.generate import GenerateRequest, GenerationSettings, TokenEvent
 from service.generating import ColocatedDecoder
+from service.metrics import GAUGE_REFRESH_S, EngineGauges, generation_labels, model_labels
+
+logger = logging.getLogger(__name__)
 
 
 @serve.deployment
@@ -71,19 +75,40 @@ class DecoderServer:
 
     def __init__(self, models_dir: str, name: str, settings: GenerationSettings) -> None:
         self._decoder = ColocatedDecoder.open(models_dir, name, settings)
+        self._gauges = EngineGauges()
+        self._gauge_refresher: asyncio.Task | None = None
 
     async def status(self) -> ModelStatus:
+        self._start_gauge_refresher()  # the ingress asks before its first request, and on every admission
         return await self._decoder.status()
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
         """The request's token events, the last with its finish_reason (the prompt is token ids: the ingress
         encoded and checked it); its refusal (a ServiceError) is raised before the first."""
+        self._start_gauge_refresher()
         stream = self._decoder.submit(request)
         try:
             async for event in stream:
                 yield event
         finally:
             stream.cancel()
+
+    def _start_gauge_refresher(self) -> None:
+        if self._gauge_refresher is None and self._decoder.engine is not None:
+            self._gauge_refresher = asyncio.get_running_loop().create_task(self._refresh_gauges())
+
+    async def _refresh_gauges(self) -> None:
+        """The engine's running and waiting requests and KV cache usage, set again every GAUGE_REFRESH_S (this
+        replica holds the engine: the ingress has no view of it), with the labels the ingress gives the decoder."""
+        engine = self._decoder.engine
+        labels = generation_labels(model_labels(engine.meta, engine.runtime.backend), engine.meta.kv_heads)
+        while True:
+            try:
+                state = engine.state()
+                self._gauges.set(labels, state.running, state.waiting, state.kv_cache_usage)
+            except Exception:  # one failed export must not stop the gauges for good
+                logger.exception("refreshing the engine's gauges failed; trying again in %g s", GAUGE_REFRESH_S)
+            await asyncio.sleep(GAUGE_REFRESH_S)
 
     def __del__(self) -> None:
         self._decoder.close()

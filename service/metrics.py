@@ -166,21 +166,7 @@ class IngressMetrics:
             "length (max_tokens), abort (the client went away, or the server stopped it).",
             tag_keys=(*generation_keys, "finished_reason"),
         )
-        self.running = Gauge(
-            "mha_num_requests_running",
-            description="Generation requests in a decoder's running batch, in this serving process.",
-            tag_keys=generation_keys,
-        )
-        self.waiting = Gauge(
-            "mha_num_requests_waiting",
-            description="Generation requests queued for room in a decoder's KV budget, in this serving process.",
-            tag_keys=generation_keys,
-        )
-        self.kv_usage = Gauge(
-            "mha_kv_cache_usage_perc",
-            description="Share of a decoder's KV cache budget reserved by its running requests (0 to 1).",
-            tag_keys=generation_keys,
-        )
+        self.engines = EngineGauges()  # the co-located decoders' engines, in this process
         self._tokens: dict[tuple[str, ...], list[int]] = {}  # generation labels -> [generated, prompt] since refresh
         self._in_flight: dict[tuple[str, ...], int] = {}
         self._info: list[dict[str, str]] = []
@@ -278,12 +264,6 @@ class IngressMetrics:
         self.e2e.observe(seconds, tags=labels)
         self.succeeded.inc(1, tags={**labels, "finished_reason": finished_reason})
 
-    def engine_state(self, labels: dict[str, str], running: int, waiting: int, kv_usage: float) -> None:
-        """A decoder's engine now (set on every refresh, GAUGE_REFRESH_S); generation_labels."""
-        self.running.set(running, tags=labels)
-        self.waiting.set(waiting, tags=labels)
-        self.kv_usage.set(kv_usage, tags=labels)
-
     def prompt_tokens(self, labels: dict[str, str], tokens: int) -> None:
         counts = self._tokens.setdefault(tuple(labels.values()), [0, 0])
         counts[1] += tokens
@@ -305,6 +285,36 @@ class IngressMetrics:
             counts[1] += agreement.agreeing
             tags = dict(zip(SHADOW_LABELS, key, strict=True))
             self.logit_diff.observe(agreement.max_abs_diff, tags=tags)
+
+
+class EngineGauges:
+    """A decoder engine's running and waiting requests and KV cache usage, set every GAUGE_REFRESH_S by the process
+    that holds the engine: the ingress for a co-located decoder (DataPlane), the decoder's own replica otherwise
+    (service/deployment.py). Each process's series add up in Prometheus."""
+
+    def __init__(self) -> None:
+        generation_keys = (*MODEL_LABELS, "kv_heads")
+        self.running = Gauge(
+            "mha_num_requests_running",
+            description="Generation requests in a decoder's running batch, in this process.",
+            tag_keys=generation_keys,
+        )
+        self.waiting = Gauge(
+            "mha_num_requests_waiting",
+            description="Generation requests queued for room in a decoder's KV budget, in this process.",
+            tag_keys=generation_keys,
+        )
+        self.kv_usage = Gauge(
+            "mha_kv_cache_usage_perc",
+            description="Share of a decoder's KV cache budget reserved by its running requests (0 to 1).",
+            tag_keys=generation_keys,
+        )
+
+    def set(self, labels: dict[str, str], running: int, waiting: int, kv_usage: float) -> None:
+        """A decoder's engine now; generation_labels."""
+        self.running.set(running, tags=labels)
+        self.waiting.set(waiting, tags=labels)
+        self.kv_usage.set(kv_usage, tags=labels)
 
 
 class ReplicaMetrics:

@@ -1,7 +1,8 @@
 """Generation metrics per head configuration, scraped by a real Prometheus from `mha-serving serve` serving two
-decoders: finished requests counted by finished_reason with their end-to-end latency and queue time, exactly as
-sent; the running, waiting and KV cache usage gauges following an open stream and its client's disconnect; a
-queue-full and a queue-timeout 503 counted as rejections; and every metric of the dashboard's generation row there."""
+decoders (co-located, then each in a deployment of its own): finished requests counted by finished_reason with their
+end-to-end latency and queue time, exactly as sent; the running, waiting and KV cache usage gauges following an open
+stream and its client's disconnect; a queue-full and a queue-timeout 503 counted as rejections; and every metric of
+the dashboard's generation row there."""
 
 from __future__ import annotations
 
@@ -38,12 +39,19 @@ def _decoder(out: Path, d_model: int, kv: int, layers: int, max_len: int) -> Non
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def models_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("generation-metrics-models")
     _decoder(out, d_model=32, kv=1, layers=2, max_len=64)
     _decoder(out, d_model=64, kv=4, layers=8, max_len=LONG_CONTEXT)
+    return out
+
+
+@pytest.fixture(scope="module", params=["colocated", "deployment"])
+def server(request, models_dir):
+    """Once per placement: the engines in the ingress (the data plane sets their gauges) or in replicas of their
+    own (each replica sets its engine's); names, labels and counts must not depend on it."""
     config = {
-        "models_dir": str(out),
+        "models_dir": str(models_dir),
         "backend": "cpu",
         "generate": {
             "kv_cache_tokens": LONG_CONTEXT,
@@ -51,6 +59,7 @@ def server(tmp_path_factory):
             "max_waiting": 1,  # one request waits behind a LONG stream; the next is refused at once
             "queue_timeout_s": QUEUE_TIMEOUT_S,
         },
+        "overrides": {name: {"placement": request.param} for name in (LM, LONG)},
     }
     os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")  # Ray's export every second, as tests/serving.py
     with ServerProcess(config) as running:
