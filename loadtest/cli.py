@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from contract.binary_tensors import EXTENSION
-from loadtest import routes, server_metrics
+from loadtest import kinds, routes, server_metrics
 from loadtest.compare import run_compare
 from loadtest.discovery import (
     DiscoveryError,
@@ -39,9 +39,8 @@ from loadtest.progress import Progress
 from loadtest.report import ReportError, build_report, write_report
 from loadtest.runner import Level, Limits
 from loadtest.session import Outcome, Plan, run_session
-from loadtest.stats import Slo
-from loadtest.streams import DEFAULT_GENERATION_PROTOCOL, GENERATION_PROTOCOLS, TokenSpec, generation_pb2
-from loadtest.workload import DEFAULT_PROTOCOL, PROTOCOLS, SeqLenSpec, WorkloadError, parse_protocols, read_texts
+from loadtest.streams import DEFAULT_GENERATION_PROTOCOL, GENERATION_PROTOCOLS, generation_pb2
+from loadtest.workload import PROTOCOLS, SeqLenSpec, WorkloadError, read_texts
 
 PROG = "mha-serving loadtest"
 
@@ -169,17 +168,6 @@ def _meta(args: argparse.Namespace, argv: list[str], plan: Plan) -> dict:
     }
 
 
-def _workload_meta(args: argparse.Namespace, plan: Plan) -> dict:
-    """The settings that depend on the kind of models loaded (known once they are found)."""
-    meta: dict = {"protocol": ",".join(plan.protocols), "workload": "generate" if plan.generate else "classify"}
-    if args.metrics_url:
-        meta["metrics_names"] = list(plan.metrics_names + plan.metrics_also)
-    if plan.generate:
-        meta |= {"prompt_tokens": plan.prompt_tokens.describe(), "output_tokens": plan.output_tokens.describe()}
-        meta |= {"slo_ttft_ms": plan.slo.ttft_ms, "slo_itl_ms": plan.slo.itl_ms}
-    return meta
-
-
 def _finish(out: Path, meta: dict, outcome: Outcome, message: str) -> str:
     """Write the report with its status; returns the status."""
     measured = any(r.ok > 0 for r in outcome.results)
@@ -207,9 +195,9 @@ def _plots(outcome: Outcome, out: Path) -> list[str]:
 
 
 def _discover(args: argparse.Namespace, plan: Plan, outcome: Outcome) -> tuple[Plan, list[ModelInfo]]:
-    """The plan for the selected models (classifiers, or decoders: `_workload`) and the models and routes, each
-    ready (waiting up to --ready-timeout); those that never get ready are failures. DiscoveryError when the service
-    cannot take a protocol asked for."""
+    """The plan for the selected models (classifiers, or decoders: `kinds.settle_kind`) and the models and routes,
+    each ready (waiting up to --ready-timeout); those that never get ready are failures. DiscoveryError when the
+    service cannot take a protocol asked for."""
     base_url = plan.base_url
     with httpx.Client(timeout=10.0, trust_env=False) as client:
         listing = discover(client, base_url)
@@ -219,7 +207,7 @@ def _discover(args: argparse.Namespace, plan: Plan, outcome: Outcome) -> tuple[P
         if waiting or any(m.route for m in models):  # a route's configuration is its targets': read once they are up
             listed = discover(client, base_url).by_name()
             models = [listed.get(m.name, m) for m in models]
-        plan, models = _workload(args, plan, models, outcome)
+        plan, models = kinds.settle_kind(args, plan, models, outcome)
         if "v2-binary" in plan.protocols:
             check_extension(client, base_url, EXTENSION, "--protocol v2-binary")
     if plan.grpc_url and (problem := server_live(plan.grpc_url, plan.limits.timeout_s)):
@@ -239,50 +227,6 @@ def _discover(args: argparse.Namespace, plan: Plan, outcome: Outcome) -> tuple[P
     if not ready:
         raise DiscoveryError("none of the selected models is ready: " + "; ".join(outcome.failures))
     return plan, ready
-
-
-def _workload(
-    args: argparse.Namespace, plan: Plan, models: list[ModelInfo], outcome: Outcome
-) -> tuple[Plan, list[ModelInfo]]:
-    """Classifiers or decoders: a run loads one kind. `--models all` keeps the kind asked for (--generate, or a
-    protocol only one kind has), else classifiers where any are served (a note names the decoders left out); named
-    models must all be of that kind. DiscoveryError says what does not fit."""
-    everything = args.models.strip() == "all"
-    known = [m for m in models if m.measurable]  # a model still loading has no known kind; it fails as not ready
-    decoders = [m.name for m in known if m.is_decoder]
-    generate = plan.generate if plan.generate is not None else bool(known) and len(decoders) == len(known)
-    wrong = [m.name for m in known if m.is_decoder != generate]
-    if wrong and everything:
-        outcome.notes.append(
-            f"not measured: {', '.join(wrong)} ("
-            + ("classifiers: a generation run loads decoders)" if generate else "decoders: give --generate)")
-        )
-        models = [m for m in models if m.name not in wrong]
-    elif wrong:
-        if generate:
-            raise DiscoveryError(f"{', '.join(wrong)}: a classifier, and a generation run loads decoders only")
-        raise DiscoveryError(
-            f"{', '.join(wrong)}: a decoder; load decoders in a run of their own (--generate, protocol "
-            f"{', '.join(GENERATION_PROTOCOLS)})"
-        )
-    if not models:
-        raise DiscoveryError(f"the service at {plan.base_url} serves no {'decoders' if generate else 'classifiers'}")
-    if not generate:
-        return replace(plan, generate=False, protocols=plan.protocols or (DEFAULT_PROTOCOL,)), models
-    tight = [f"{m.name} ({m.max_len})" for m in models if m.max_len - plan.output_tokens.high < 2]
-    if tight:
-        raise DiscoveryError(
-            f"--output-tokens {plan.output_tokens.describe()} leaves no room for a prompt in the context of "
-            + ", ".join(tight)
-        )
-    names = plan.metrics_names if args.metrics_name else server_metrics.GENERATION_METRICS
-    return replace(
-        plan,
-        generate=True,
-        protocols=plan.protocols or (DEFAULT_GENERATION_PROTOCOL,),
-        metrics_names=names,
-        metrics_also=server_metrics.GENERATION_ALSO,
-    ), models
 
 
 async def _drive(plan: Plan, outcome: Outcome, progress: Progress) -> None:
@@ -313,38 +257,9 @@ def _grpc_address(args: argparse.Namespace) -> str:
     return address
 
 
-def _protocols(args: argparse.Namespace) -> tuple[tuple[str, ...], bool | None]:
-    """--protocol's list (empty when not given: the kind's default) and whether the run generates (True: --generate
-    or a generation-only protocol; False: a classifier-only protocol; None: as the models are)."""
-    if args.protocol is None:
-        return (), True if args.generate else None
-    names = tuple(name.strip() for name in args.protocol.split(",") if name.strip())
-    generation_only = [n for n in names if n in GENERATION_PROTOCOLS and n not in PROTOCOLS]
-    if args.generate or generation_only:
-        wrong = [n for n in names if n not in GENERATION_PROTOCOLS]
-        if wrong or len(set(names)) != len(names) or not names:
-            raise WorkloadError(
-                f"--protocol {args.protocol!r}: generation takes one or more of {', '.join(GENERATION_PROTOCOLS)}, "
-                "each once" + (f" ({', '.join(wrong)} is a classifier's)" if wrong else "")
-            )
-        return names, True
-    protocols = parse_protocols(args.protocol)
-    return protocols, None if protocols == ("grpc",) else False
-
-
-def _generation(args: argparse.Namespace) -> tuple[TokenSpec, TokenSpec, Slo]:
-    """The generation flags, checked whatever the run turns out to load (a bad one is a mistake either way)."""
-    prompt = TokenSpec.parse(args.prompt_tokens, "--prompt-tokens", least=2)  # BOS and one byte at least
-    output = TokenSpec.parse(args.output_tokens, "--output-tokens", least=1)
-    for flag, value in (("--slo-ttft-ms", args.slo_ttft_ms), ("--slo-itl-ms", args.slo_itl_ms)):
-        if value is not None and not value > 0:
-            raise WorkloadError(f"{flag} must be > 0 ms, got {value:g}")
-    return prompt, output, Slo(args.slo_ttft_ms, args.slo_itl_ms)
-
-
 def _plan(args: argparse.Namespace) -> Plan:
-    """The run's plan from the arguments (models still empty; with no --protocol, no protocols yet: `_workload`
-    fills in the kind's default); ValueError names the first bad argument."""
+    """The run's plan from the arguments (models still empty; with no --protocol, no protocols yet:
+    `kinds.settle_kind` fills in the kind's default); ValueError names the first bad argument."""
     seq_len = SeqLenSpec.parse(args.seq_len)
     if seq_len.kind == "file":
         read_texts(seq_len.path)
@@ -352,8 +267,8 @@ def _plan(args: argparse.Namespace) -> Plan:
         raise WorkloadError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.metrics_url:
         check_loopback(args.metrics_url, args.allow_remote)
-    protocols, generate = _protocols(args)
-    prompt, output, slo = _generation(args)
+    protocols, generate = kinds.protocols(args)
+    prompt, output, slo = kinds.generation_settings(args)
     if generate and args.batch_size != 1:
         raise WorkloadError(f"--batch-size {args.batch_size}: a generation request is one prompt")
     if args.grpc_url and "grpc" not in protocols:
@@ -373,7 +288,7 @@ def _plan(args: argparse.Namespace) -> Plan:
         metrics_match=_label_pairs(args.metrics_match),
         metrics_wait_s=args.metrics_wait,
         seed=args.seed,
-        generate=generate,  # type: ignore[arg-type]  # None until the models say
+        generate=generate,
         prompt_tokens=prompt,
         output_tokens=output,
         slo=slo,
@@ -416,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         plan, models = _discover(args, plan, outcome)
         plan = replace(plan, models=tuple(models))
-        meta |= _workload_meta(args, plan)
+        meta |= kinds.workload_meta(args, plan)
         if plan.generate:  # a classifier's settings, not used
             del meta["seq_len"], meta["batch_size"]
     except DiscoveryError as exc:

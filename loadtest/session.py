@@ -48,7 +48,7 @@ class Plan:
     seed: int = 0
     # generation (decoders): streamed completions of these prompt and output lengths, goodput under `slo`, and the
     # server's histograms read beside the one settled on (its inter-token latency)
-    generate: bool = False
+    generate: bool | None = False  # None until the models say (the CLI's plan before discovery)
     prompt_tokens: TokenSpec = DEFAULT_PROMPT
     output_tokens: TokenSpec = DEFAULT_OUTPUT
     slo: Slo = NO_SLO
