@@ -119,7 +119,7 @@ def generation_pb2() -> ModuleType:
     try:
         from contract.rpc import generation_pb2 as pb
     except ImportError as exc:
-        raise WorkloadError(f"--protocol grpc cannot generate: this checkout has no generation RPC ({exc})") from None
+        raise WorkloadError(f"--protocol grpc: the generation RPC's messages do not import ({exc})") from None
     return pb
 
 

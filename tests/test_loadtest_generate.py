@@ -158,7 +158,6 @@ def test_an_open_loop_run_of_one_decoder_needs_no_generate_flag(server, tmp_path
 
 
 def test_a_grpc_run_streams_through_the_generation_rpc(server, tmp_path):
-    pytest.importorskip("contract.rpc.generation_pb2", reason="the generation RPC is not in this checkout")
     done = loadtest(
         "--url", _url(server), "--grpc-url", f"127.0.0.1:{server.grpc_port}", "--models", DECODERS[0],
         "--protocol", "grpc", "--concurrency", "2", "--duration", "2", "--warmup", "0",
