@@ -20,10 +20,11 @@ from service.errors import BadRequestError, ModelNotFoundError, OverCapacityErro
 from service.generate.output import OPENAI_FINISH_REASONS
 from service.generate.request import GenerateRequest, TokenEvent
 from service.generating import ColocatedDecoder, not_a_classifier
+from service.generation_metrics import GenerationMetrics, generation_labels
 from service.inference import AttentionMap, InferenceRequest, InferenceResult, Listing, ModelStatus
 from service.limits import check_in_flight
 from service.load import Load
-from service.metrics import GAUGE_REFRESH_S, IngressMetrics, generation_labels
+from service.metrics import GAUGE_REFRESH_S, IngressMetrics
 from service.placement import ModelPlacement
 from service.routes import RoutePlan
 from service.served_models import ServedModels, ready
@@ -70,10 +71,15 @@ class DataPlane:
         self.server_name = config.server_name
         self.load = Load()
         self.metrics = IngressMetrics()
+        self.generation_metrics = GenerationMetrics()
         self.models = ServedModels(placements, config.routes, self.metrics, self._start_gauge_refresher)
         self._draining = False  # set by `drain` on SIGTERM: readiness answers 503 from then on
         self._shadows = ShadowTraffic(self._run_shadow, self._preempt, self.load.busy, self._record_shadow)
-        self._refreshes: list[Callable[[], None]] = [self.metrics.refresh, self._refresh_decoders]
+        self._refreshes: list[Callable[[], None]] = [
+            self.metrics.refresh,
+            self.generation_metrics.refresh,
+            self._refresh_decoders,
+        ]
         self._gauge_refresher: asyncio.Task | None = None
 
     def on_refresh(self, refresh: Callable[[], None]) -> None:
@@ -176,20 +182,20 @@ class DataPlane:
             first, finished = True, False
             try:
                 async for event in stream:
-                    self.metrics.token_event(labels, len(event.token_ids), event.time - last, first)
+                    self.generation_metrics.token_event(labels, len(event.token_ids), event.time - last, first)
                     if event.queued_s is not None:  # its prefill ran: a request that timed out waiting has none
-                        self.metrics.queued(labels, event.queued_s)
-                        self.metrics.prompt_tokens(labels, stream.prompt_tokens)
+                        self.generation_metrics.queued(labels, event.queued_s)
+                        self.generation_metrics.prompt_tokens(labels, stream.prompt_tokens)
                     if event.token_ids:
                         first, last = False, event.time
                     if event.finish_reason is not None:
                         finished = True
                         reason = OPENAI_FINISH_REASONS[event.finish_reason]
-                        self.metrics.generation_finished(labels, reason, event.timing.total_s)
+                        self.generation_metrics.generation_finished(labels, reason, event.timing.total_s)
                     yield event
             except (asyncio.CancelledError, GeneratorExit):  # the client went away before the last event
                 if not finished:
-                    self.metrics.generation_finished(labels, "abort", time.perf_counter() - submitted)
+                    self.generation_metrics.generation_finished(labels, "abort", time.perf_counter() - submitted)
                 raise
             finally:
                 stream.cancel()
@@ -255,7 +261,7 @@ class DataPlane:
                 continue
             state = placement.engine.state()
             decoder = generation_labels(labels, placement.engine.meta.kv_heads)
-            self.metrics.engines.set(decoder, state.running, state.waiting, state.kv_cache_usage)
+            self.generation_metrics.engines.set(decoder, state.running, state.waiting, state.kv_cache_usage)
 
     def _start_gauge_refresher(self) -> None:
         if self._gauge_refresher is None:

@@ -20,7 +20,8 @@ from service.config import DeploymentSettings
 from service.engine import EngineSettings, ModelEngine, ModelStatus
 from service.generate import GenerateRequest, GenerationSettings, TokenEvent
 from service.generating import ColocatedDecoder
-from service.metrics import GAUGE_REFRESH_S, EngineGauges, generation_labels, model_labels
+from service.generation_metrics import EngineGauges, generation_labels
+from service.metrics import GAUGE_REFRESH_S, model_labels
 
 logger = logging.getLogger(__name__)
 

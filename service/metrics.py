@@ -24,14 +24,7 @@ LATENCY_BUCKETS_S = [
     0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 ]  # fmt: skip
 BATCH_SIZE_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256]  # rows per ORT run (max_batch_size defaults to 32)
-# A generation request's whole life and its wait in a decoder's queue: seconds to minutes (long streams, a queue
-# bounded by queue_timeout_s, 30 s by default).
-REQUEST_BUCKETS_S = [*LATENCY_BUCKETS_S, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0]
 TOKEN_BUCKETS = [16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536]  # padded B * T per run
-
-
-# Why a generation request ended, as OpenAI and vLLM's `finished_reason` name it: a fixed set, the label's values.
-FINISHED_REASONS = ("stop", "length", "abort")
 
 # A route's shadow metrics: the route, the model that answered and the shadow, each with its head count.
 SHADOW_LABELS = ("route", "primary", "primary_heads", "shadow", "shadow_heads")
@@ -51,11 +44,6 @@ def model_labels(meta: ModelMetadata | None, backend: str, name: str = UNKNOWN_M
         "precision": meta.precision,
         "backend": backend,
     }
-
-
-def generation_labels(labels: dict[str, str], kv_heads: int) -> dict[str, str]:
-    """A decoder's labels: its model labels and its key/value heads."""
-    return {**labels, "kv_heads": str(kv_heads)}
 
 
 def _labels_of(key: tuple[str, ...]) -> dict[str, str]:
@@ -123,51 +111,6 @@ class IngressMetrics:
             "included (401 without the token).",
             tag_keys=("action", "code"),
         )
-        generation_keys = (*MODEL_LABELS, "kv_heads")
-        self.first_token = Histogram(
-            "mha_time_to_first_token_seconds",
-            description="Time from a generation request's admission to its first token (queue and prefill).",
-            boundaries=LATENCY_BUCKETS_S,
-            tag_keys=generation_keys,
-        )
-        self.inter_token = Histogram(
-            "mha_inter_token_latency_seconds",
-            description="Time between consecutive tokens of one generation request.",
-            boundaries=LATENCY_BUCKETS_S,
-            tag_keys=generation_keys,
-        )
-        self.generated = Counter(
-            "mha_generation_tokens_total",
-            description="Tokens generated (EOS and the tokens of a stop string included).",
-            tag_keys=generation_keys,
-        )
-        self.prompt = Counter(
-            "mha_prompt_tokens_total",
-            description="Prompt tokens of the generation requests that started.",
-            tag_keys=generation_keys,
-        )
-        self.e2e = Histogram(
-            "mha_e2e_request_latency_seconds",
-            description="Time from a generation request's arrival at its decoder's engine to its last event (one per "
-            "request that ended with a finished_reason, a client gone included).",
-            boundaries=REQUEST_BUCKETS_S,
-            tag_keys=generation_keys,
-        )
-        self.queue_time = Histogram(
-            "mha_request_queue_time_seconds",
-            description="Time a generation request waited in its decoder's queue: arrival to the start of its "
-            "prefill (one per request that started).",
-            boundaries=REQUEST_BUCKETS_S,
-            tag_keys=generation_keys,
-        )
-        self.succeeded = Counter(
-            "mha_request_success_total",
-            description="Generation requests that ended with a finished_reason: stop (a stop string or EOS), "
-            "length (max_tokens), abort (the client went away, or the server stopped it).",
-            tag_keys=(*generation_keys, "finished_reason"),
-        )
-        self.engines = EngineGauges()  # the co-located decoders' engines, in this process
-        self._tokens: dict[tuple[str, ...], list[int]] = {}  # generation labels -> [generated, prompt] since refresh
         self._in_flight: dict[tuple[str, ...], int] = {}
         self._info: list[dict[str, str]] = []
         # Counts since the last `refresh`, added to the counters there: a Ray counter increment per request cost
@@ -205,12 +148,6 @@ class IngressMetrics:
         requests, self._requests = self._requests, {}
         for (key, endpoint, code), count in requests.items():
             self.requests.inc(count, tags={**_labels_of(key), "endpoint": endpoint, "code": str(code)})
-        tokens, self._tokens = self._tokens, {}
-        for key, (generated, prompt) in tokens.items():
-            tags = dict(zip((*MODEL_LABELS, "kv_heads"), key, strict=True))
-            for counter, count in ((self.generated, generated), (self.prompt, prompt)):
-                if count:  # a Ray counter takes only increments > 0
-                    counter.inc(count, tags=tags)
         rejected, self._rejected = self._rejected, {}
         for key, count in rejected.items():
             self.rejected.inc(count, tags=_labels_of(key))
@@ -243,31 +180,6 @@ class IngressMetrics:
             self._rejected[key] = self._rejected.get(key, 0) + 1
         self.latency.observe(seconds, tags={**labels, "endpoint": endpoint})
 
-    def token_event(self, labels: dict[str, str], tokens: int, since_s: float, first: bool) -> None:
-        """One event of a generation stream with `tokens` new tokens, `since_s` after the previous one (after the
-        admission for the `first` with a token); generation_labels."""
-        if not tokens:
-            return
-        (self.first_token if first else self.inter_token).observe(since_s, tags=labels)
-        counts = self._tokens.setdefault(tuple(labels.values()), [0, 0])
-        counts[0] += tokens
-
-    def queued(self, labels: dict[str, str], seconds: float) -> None:
-        """A generation request's prefill started `seconds` after its arrival; generation_labels."""
-        self.queue_time.observe(seconds, tags=labels)
-
-    def generation_finished(self, labels: dict[str, str], finished_reason: str, seconds: float) -> None:
-        """A generation request ended with `finished_reason` (one of FINISHED_REASONS) `seconds` after its arrival;
-        generation_labels. Few enough per second (one per request, not per token) to be counted at once."""
-        if finished_reason not in FINISHED_REASONS:
-            raise ValueError(f"finished_reason {finished_reason!r} is not one of {FINISHED_REASONS}")
-        self.e2e.observe(seconds, tags=labels)
-        self.succeeded.inc(1, tags={**labels, "finished_reason": finished_reason})
-
-    def prompt_tokens(self, labels: dict[str, str], tokens: int) -> None:
-        counts = self._tokens.setdefault(tuple(labels.values()), [0, 0])
-        counts[1] += tokens
-
     def routed_request(self, route: str, labels: dict[str, str], code: int) -> None:
         """One request to `route`, answered by the model of `labels` with `code`."""
         counted = (route, tuple(labels.values()), code)
@@ -285,36 +197,6 @@ class IngressMetrics:
             counts[1] += agreement.agreeing
             tags = dict(zip(SHADOW_LABELS, key, strict=True))
             self.logit_diff.observe(agreement.max_abs_diff, tags=tags)
-
-
-class EngineGauges:
-    """A decoder engine's running and waiting requests and KV cache usage, set every GAUGE_REFRESH_S by the process
-    that holds the engine: the ingress for a co-located decoder (DataPlane), the decoder's own replica otherwise
-    (service/deployment.py). Each process's series add up in Prometheus."""
-
-    def __init__(self) -> None:
-        generation_keys = (*MODEL_LABELS, "kv_heads")
-        self.running = Gauge(
-            "mha_num_requests_running",
-            description="Generation requests in a decoder's running batch, in this process.",
-            tag_keys=generation_keys,
-        )
-        self.waiting = Gauge(
-            "mha_num_requests_waiting",
-            description="Generation requests queued for room in a decoder's KV budget, in this process.",
-            tag_keys=generation_keys,
-        )
-        self.kv_usage = Gauge(
-            "mha_kv_cache_usage_perc",
-            description="Share of a decoder's KV cache budget reserved by its running requests (0 to 1).",
-            tag_keys=generation_keys,
-        )
-
-    def set(self, labels: dict[str, str], running: int, waiting: int, kv_usage: float) -> None:
-        """A decoder's engine now; generation_labels."""
-        self.running.set(running, tags=labels)
-        self.waiting.set(waiting, tags=labels)
-        self.kv_usage.set(kv_usage, tags=labels)
 
 
 class ReplicaMetrics:
