@@ -112,7 +112,7 @@ def test_serves_grpc_proxy_takes_the_services_the_ingress_answers_and_can_import
     from service.rpc.servicers import SERVE_SERVICERS
 
     options = gRPCOptions(**serve_config()["grpc_options"])
-    assert options.grpc_servicer_functions == SERVE_SERVICERS and len(options.grpc_servicer_func_callable) == 2
+    assert options.grpc_servicer_functions == SERVE_SERVICERS and len(options.grpc_servicer_func_callable) == 3
     rpcs = [m.name for m in pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods] + ["Check"]
     missing = [m for m in rpcs if not callable(getattr(Ingress.func_or_class, m, None))]
     assert not missing, "Serve's gRPC proxy calls the ingress's method named after the RPC"

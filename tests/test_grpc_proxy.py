@@ -18,6 +18,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from serving import bare_logits, deployed, free_port, in_own_process, serve_command, v2_tensor
 
+from contract.rpc import generation_pb2 as gen
+from contract.rpc import generation_pb2_grpc as gen_grpc
 from contract.rpc import inference_pb2 as pb
 from contract.rpc import inference_pb2_grpc as pb_grpc
 from contract.tokenizer import ByteTokenizer
@@ -135,6 +137,22 @@ def test_errors_through_serves_proxy_are_the_same_status_codes_and_messages_and_
     assert unknown.value.code() == grpc.StatusCode.NOT_FOUND and "no version '7'" in unknown.value.details()
     answer = stub.ModelInfer(_raw([1, 4], ids), metadata=_metadata(app), timeout=30)  # still serving
     assert list(answer.outputs[0].shape) == [1, 2]
+
+
+@pytest.mark.serve
+def test_serves_proxy_takes_the_generation_service_and_answers_it_from_the_same_data_plane(app, channel):
+    """ModelGenerate through Serve's proxy (its servicer functions list the generation service): refusals come back
+    with the replica's own codes and messages, not UNIMPLEMENTED."""
+    generate = gen_grpc.GenerationServiceStub(channel).ModelGenerate
+    cases = {
+        NAME: (grpc.StatusCode.INVALID_ARGUMENT, f"model {NAME!r} is a classifier"),
+        "lm-nope": (grpc.StatusCode.NOT_FOUND, "unknown model 'lm-nope'"),
+    }
+    for model, (code, text) in cases.items():
+        request = gen.ModelGenerateRequest(model_name=model, text_input="x")
+        with pytest.raises(grpc.RpcError) as failed:
+            list(generate(request, metadata=_metadata(app), timeout=30))
+        assert failed.value.code() == code and text in failed.value.details(), (model, failed.value.details())
 
 
 @pytest.mark.serve

@@ -22,9 +22,9 @@ from service.dataplane import DataPlane
 from service.errors import ServiceError
 from service.http import generate, inference, openapi_doc
 from service.http import repository as http_repository
-from service.http.inference import describe_errors
 from service.http.limits import RequestLimitsMiddleware, over_limits
 from service.protocol import simple, v2
+from service.protocol.parsing import describe_errors
 from service.repository import Repository
 from service.responses import error_body, error_response, is_openai, json_response
 from service.validation import Bounds

@@ -6,9 +6,7 @@ torch.
 from __future__ import annotations
 
 import time
-from typing import TypeVar
 
-from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -17,34 +15,14 @@ from service.dataplane import DataPlane, Endpoint
 from service.errors import BadRequestError
 from service.http.limits import read_body
 from service.protocol import binary, simple, v2
+from service.protocol.parsing import BodyT, parse_body
 from service.responses import binary_response, json_response
 from service.routes import ROUTE_KEY
 
-BodyT = TypeVar("BodyT", bound=BaseModel)
 # the endpoint label of each; the ingress's own server counts HTTP requests from their head (service/load.py)
 V2_INFER = Endpoint("v2_infer", counted=True)
 PREDICT = Endpoint("v1_predict", counted=True)
 ATTENTION = Endpoint("v1_attention", counted=True, per_model="attention maps are per model")
-
-
-def describe_errors(errors: list) -> str:
-    """pydantic's errors in one line: where and what, the first five."""
-    problems = []
-    for err in errors[:5]:
-        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
-        problems.append(f"{where}: {err.get('msg', 'invalid')}")
-    return "; ".join(problems)
-
-
-def parse_body(raw: bytes, model: type[BodyT]) -> BodyT:
-    """The JSON body as `model`, whatever the Content-Type (curl -d sends form-encoded); 400 naming the problem."""
-    try:
-        return model.model_validate_json(raw)
-    except ValidationError as exc:
-        errors = exc.errors()
-        if errors and errors[0].get("type") == "json_invalid":
-            raise BadRequestError(f"malformed JSON body: {errors[0].get('msg', '')}") from None
-        raise BadRequestError("invalid request: " + describe_errors(errors)) from None
 
 
 async def json_body(request: Request, plane: DataPlane, model: type[BodyT]) -> BodyT:

@@ -18,10 +18,10 @@ from fastapi.security import APIKeyHeader
 
 from service import openapi
 from service.errors import ServiceError
-from service.http.inference import BodyT, parse_body
 from service.http.limits import read_body
 from service.limits import RequestLimits
 from service.metrics import IngressMetrics
+from service.protocol.parsing import BodyT, parse_body
 from service.protocol.repository import (
     RepositoryChanged,
     RepositoryIndex,

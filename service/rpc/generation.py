@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from pydantic import ValidationError
-
 from contract.rpc import generation_pb2 as pb
 from service.errors import BadRequestError
 from service.generate import GenerateRequest, TokenEvent
-from service.http.inference import describe_errors
 from service.protocol import generate as oip
+from service.protocol.parsing import validated
 
 OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "seed")  # unset: GenerateParameters' defaults
 
@@ -25,12 +23,8 @@ def to_body(message: pb.ModelGenerateRequest) -> oip.GenerateBody:
     if params.stop:
         given["stop"] = list(params.stop)
     parameters = {**given, "ignore_eos": params.ignore_eos}
-    try:
-        return oip.GenerateBody.model_validate(
-            {"text_input": message.text_input, "parameters": parameters, "id": message.id or None}
-        )
-    except ValidationError as exc:
-        raise BadRequestError("invalid request: " + describe_errors(exc.errors())) from None
+    values = {"text_input": message.text_input, "parameters": parameters, "id": message.id or None}
+    return validated(values, oip.GenerateBody)
 
 
 def to_request(message: pb.ModelGenerateRequest, body: oip.GenerateBody) -> GenerateRequest:
