@@ -24,6 +24,27 @@ def export_tiny_model(out_dir: Path, heads: int, seed: int = 0, attention: bool 
     return export_model(model, config.metadata(exporter_versions()), out_dir, attention_variant=variant)
 
 
+def export_tiny_decoder(
+    out_dir: Path, kv_heads: int, max_len: int, seed: int, d_model: int = 32, layers: int = 2, spread: bool = True
+) -> None:
+    """Build an untrained tiny DecoderLM (4 query heads) and export it through the normal path. `spread`: weights
+    times 4, because an untrained model's logits are nearly equal (init std 0.02) and greedy choices would then mean
+    nothing from step to step."""
+    import torch
+
+    from export import decoder_export
+    from export.decoder import DecoderConfig, DecoderLM
+
+    torch.manual_seed(seed)
+    config = DecoderConfig(d_model=d_model, heads=4, kv_heads=kv_heads, layers=layers, max_len=max_len)
+    model = DecoderLM(config)
+    if spread:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(4.0)
+    decoder_export.export_decoder(model.eval(), model.config.metadata(), out_dir)
+
+
 @pytest.fixture(scope="session")
 def tiny_models_dir(tmp_path_factory) -> Path:
     """A models/ folder with two tiny head configurations, mha-h2-d32 and mha-h4-d32 (the latter with attention)."""

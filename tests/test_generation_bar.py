@@ -13,17 +13,13 @@ import re
 import socket
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
-import torch
-from conftest import export_tiny_model
+from conftest import export_tiny_decoder, export_tiny_model
 
 from benchmarks.harness.server import ServerProcess
-from export import decoder_export
-from export.decoder import DecoderConfig, DecoderLM
 
 MQA = "lm-h4-kv1-d32"  # 128 bytes of KV a token
 MHA = "lm-h4-kv4-d64"  # 1,024 bytes of KV a token
@@ -39,20 +35,11 @@ TIMEOUT_S = 120  # a bound for a hung request only
 pytestmark = [pytest.mark.serve, pytest.mark.slow]
 
 
-def _decoder(out: Path, d_model: int, kv_heads: int, max_len: int, seed: int) -> None:
-    torch.manual_seed(seed)
-    model = DecoderLM(DecoderConfig(d_model=d_model, heads=4, kv_heads=kv_heads, layers=2, max_len=max_len))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(4.0)  # spread the logits of an untrained model, so that sampled texts differ by seed
-    decoder_export.export_decoder(model.eval(), model.config.metadata(), out)
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     out = tmp_path_factory.mktemp("generation-bar-models")
-    _decoder(out, d_model=32, kv_heads=1, max_len=MQA_CONTEXT, seed=1)
-    _decoder(out, d_model=64, kv_heads=4, max_len=MHA_CONTEXT, seed=4)
+    export_tiny_decoder(out, 1, MQA_CONTEXT, seed=1)
+    export_tiny_decoder(out, 4, MHA_CONTEXT, seed=4, d_model=64)
     export_tiny_model(out, heads=2, seed=2)
     config = {
         "models_dir": str(out),

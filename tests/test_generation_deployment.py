@@ -11,15 +11,12 @@ import json
 import os
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
-import torch
+from conftest import export_tiny_decoder
 
 from benchmarks.harness.server import ServerProcess
-from export import decoder_export
-from export.decoder import DecoderConfig, DecoderLM
 from service.generate import GenerateRequest, GenerationSettings, SamplingParams
 from service.generating import ColocatedDecoder
 
@@ -33,20 +30,11 @@ PROMPT = "def f(x):"
 pytestmark = [pytest.mark.serve, pytest.mark.slow]
 
 
-def _decoder(out: Path, kv: int, max_len: int, seed: int) -> None:
-    torch.manual_seed(seed)
-    model = DecoderLM(DecoderConfig(d_model=32, heads=4, kv_heads=kv, layers=2, max_len=max_len))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(4.0)  # spread the logits of an untrained model, so that greedy choices differ from step to step
-    decoder_export.export_decoder(model.eval(), model.config.metadata(), out)
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     out = tmp_path_factory.mktemp("decoder-deployments")
-    _decoder(out, kv=2, max_len=64, seed=3)
-    _decoder(out, kv=4, max_len=KV_TOKENS, seed=5)
+    export_tiny_decoder(out, 2, 64, seed=3)
+    export_tiny_decoder(out, 4, KV_TOKENS, seed=5)
     config = {
         "models_dir": str(out),
         "backend": "cpu",

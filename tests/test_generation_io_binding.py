@@ -9,10 +9,8 @@ import asyncio
 from pathlib import Path
 
 import pytest
-import torch
+from conftest import export_tiny_decoder
 
-from export import decoder_export
-from export.decoder import DecoderConfig, DecoderLM
 from service.generate import GenerateRequest, GenerationEngine, GenerationSettings, SamplingParams, TokenEvent
 
 NAME = "lm-h4-kv2-d32"
@@ -23,12 +21,7 @@ TIMEOUT_S = 60.0
 @pytest.fixture(scope="module")
 def models_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("io-binding")
-    torch.manual_seed(7)
-    model = DecoderLM(DecoderConfig(d_model=32, heads=4, kv_heads=2, layers=2, max_len=256))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(4.0)  # spread the logits of an untrained model, so that greedy choices differ from step to step
-    decoder_export.export_decoder(model.eval(), model.config.metadata(), out)
+    export_tiny_decoder(out, 2, 256, seed=7)
     return out
 
 

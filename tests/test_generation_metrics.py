@@ -13,12 +13,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
+from conftest import export_tiny_decoder
 from prometheus import GENERATION_ROW, PrometheusServer, dashboard_metric_names
 
 from benchmarks.harness.server import ServerProcess
-from export import decoder_export
-from export.decoder import DecoderConfig, DecoderLM
 
 LM = "lm-h4-kv1-d32"  # the tiny decoder (context 64): the completions counted
 LONG = "lm-h4-kv4-d64"  # 8 layers: a whole stream (8191 tokens) takes ~50 s on 2 cores, far past the checks
@@ -32,17 +30,11 @@ PROMPT_TOKENS = 1 + len(PROMPT)  # BOS, then a token per byte
 pytestmark = [pytest.mark.serve, pytest.mark.slow]
 
 
-def _decoder(out: Path, d_model: int, kv: int, layers: int, max_len: int) -> None:
-    torch.manual_seed(kv)
-    model = DecoderLM(DecoderConfig(d_model=d_model, heads=4, kv_heads=kv, layers=layers, max_len=max_len))
-    decoder_export.export_decoder(model.eval(), model.config.metadata(), out)
-
-
 @pytest.fixture(scope="module")
 def models_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("generation-metrics-models")
-    _decoder(out, d_model=32, kv=1, layers=2, max_len=64)
-    _decoder(out, d_model=64, kv=4, layers=8, max_len=LONG_CONTEXT)
+    export_tiny_decoder(out, 1, 64, seed=1, spread=False)
+    export_tiny_decoder(out, 4, LONG_CONTEXT, seed=4, d_model=64, layers=8, spread=False)
     return out
 
 

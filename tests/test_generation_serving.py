@@ -11,17 +11,13 @@ import json
 import os
 import re
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
-import torch
-from conftest import export_tiny_model
+from conftest import export_tiny_decoder, export_tiny_model
 
 from benchmarks.harness.server import ServerProcess
-from export import decoder_export
-from export.decoder import DecoderConfig, DecoderLM
 from service.config import AppConfig
 from service.generate import GenerationSettings
 from service.generating import ColocatedDecoder
@@ -36,20 +32,11 @@ PROMPT_TOKENS = 1 + len(PROMPT)  # BOS, then a token per byte
 pytestmark = [pytest.mark.serve, pytest.mark.slow]
 
 
-def _decoder(out: Path, kv: int, max_len: int, seed: int) -> None:
-    torch.manual_seed(seed)
-    model = DecoderLM(DecoderConfig(d_model=32, heads=4, kv_heads=kv, layers=2, max_len=max_len))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(4.0)  # spread the logits of an untrained model, so that greedy choices differ from step to step
-    decoder_export.export_decoder(model.eval(), model.config.metadata(), out)
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     out = tmp_path_factory.mktemp("generation-models")
-    _decoder(out, kv=1, max_len=64, seed=1)
-    _decoder(out, kv=4, max_len=KV_TOKENS, seed=4)
+    export_tiny_decoder(out, 1, 64, seed=1)
+    export_tiny_decoder(out, 4, KV_TOKENS, seed=4)
     export_tiny_model(out, heads=2, seed=2)
     config = {
         "models_dir": str(out),

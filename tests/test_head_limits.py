@@ -438,7 +438,6 @@ def test_a_stop_answers_the_next_request_on_a_kept_alive_connection_with_connect
             idle_sent = time.monotonic()  # the idle connection's silence begins after its last request
             writer.write(request)
             await asyncio.wait_for(reader.readuntil(b"{}"), 5)  # kept alive
-        start = time.monotonic()
         closing = asyncio.ensure_future(server.close(time.time() + 10))
         await asyncio.sleep(0.15)  # the listener has closed (uvicorn checks every 0.1 s)
         busy_w.write(request)  # sent after the stop began, on a kept-alive connection

@@ -16,12 +16,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from conftest import export_tiny_model
+from conftest import export_tiny_decoder, export_tiny_model
 
 from benchmarks.harness.server import ServerProcess
-from export import decoder_export
-from export.decoder import DecoderConfig, DecoderLM
 from service.local.ports import free_port
 
 pytestmark = [pytest.mark.serve, pytest.mark.slow]
@@ -32,17 +29,11 @@ OUTPUT_TOKENS = 12
 SLO_TTFT_MS, SLO_ITL_MS = 250.0, 60.0
 
 
-def _decoder(out: Path, kv: int, seed: int) -> None:
-    torch.manual_seed(seed)
-    model = DecoderLM(DecoderConfig(d_model=32, heads=4, kv_heads=kv, layers=2, max_len=128))
-    decoder_export.export_decoder(model.eval(), model.config.metadata(), out)
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     out = tmp_path_factory.mktemp("loadtest-decoders")
-    _decoder(out, kv=1, seed=1)
-    _decoder(out, kv=4, seed=4)
+    export_tiny_decoder(out, 1, 128, seed=1, spread=False)
+    export_tiny_decoder(out, 4, 128, seed=4, spread=False)
     export_tiny_model(out, heads=2, seed=2)
     config = {"models_dir": str(out), "backend": "cpu", "generate": {"threads": 1}}
     os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")  # Ray's export every second, as tests/serving.py
