@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -21,10 +19,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from benchmarks.generate.loops import greedy_steps
-from benchmarks.harness.polling import wait_for_http
-from benchmarks.harness.processes import paused
+from benchmarks.harness.module_server import ModuleServer
 from service.generate.session import load_decoder
-from service.local.ports import free_port
 
 
 def _chunk(cid: str, model: str, text: str, finish: str | None, usage: dict | None) -> bytes:
@@ -73,29 +69,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-class PlainGenerateServer:
+class PlainGenerateServer(ModuleServer):
     """This server in a subprocess, as a side of the rounds: `with PlainGenerateServer(models, name, ...) as s:`."""
 
     def __init__(self, models_dir: Path, name: str, backend: str, threads: int) -> None:
-        self.port = free_port()
-        cmd = [sys.executable, "-m", "benchmarks.generate.plain_server", "--models", str(models_dir), "--name", name]
-        cmd += ["--port", str(self.port), "--backend", backend, "--threads", str(threads)]
-        self._proc = subprocess.Popen(cmd)
-
-    def __enter__(self) -> PlainGenerateServer:
-        try:
-            wait_for_http(self.port, "/docs", 120, self._proc)
-        except Exception:
-            self.__exit__()
-            raise
-        return self
-
-    def paused(self):
-        return paused([self._proc.pid])
-
-    def __exit__(self, *exc) -> None:
-        self._proc.terminate()
-        self._proc.wait(10)
+        args = ["--models", str(models_dir), "--name", name, "--backend", backend, "--threads", str(threads)]
+        super().__init__("benchmarks.generate.plain_server", args, ready_timeout_s=120)
 
 
 if __name__ == "__main__":

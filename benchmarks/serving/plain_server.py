@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,9 +13,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from benchmarks.harness.polling import wait_for_http
-from benchmarks.harness.processes import paused
-from service.local.ports import free_port
+from benchmarks.harness.module_server import ModuleServer
 from service.runtime import load_runtime
 
 
@@ -50,28 +46,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-class PlainServer:
+class PlainServer(ModuleServer):
     """This server in a subprocess (one thread), as a side of the rounds: `with PlainServer(models, name) as s:`."""
 
     def __init__(self, models_dir: Path, name: str) -> None:
-        self.port = free_port()
-        cmd = [sys.executable, "-m", "benchmarks.serving.plain_server", "--models", str(models_dir), "--name", name]
-        self._proc = subprocess.Popen([*cmd, "--port", str(self.port), "--threads", "1"])
-
-    def __enter__(self) -> PlainServer:
-        try:
-            wait_for_http(self.port, "/docs", 60, self._proc)
-        except Exception:
-            self.__exit__()
-            raise
-        return self
-
-    def paused(self):
-        return paused([self._proc.pid])
-
-    def __exit__(self, *exc) -> None:
-        self._proc.terminate()
-        self._proc.wait(10)
+        args = ["--models", str(models_dir), "--name", name, "--threads", "1"]
+        super().__init__("benchmarks.serving.plain_server", args, ready_timeout_s=60)
 
 
 if __name__ == "__main__":
