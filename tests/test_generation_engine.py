@@ -162,6 +162,26 @@ def test_requests_joining_a_running_batch_mid_way_generate_what_they_generate_al
     assert all(joined), f"each request started while the one before was running: {joined}"
 
 
+def test_a_sequence_joining_after_others_left_generates_what_it_generates_alone(models_dir):
+    """Rows whose sequences left ride along unused until the next join drops them in its copy: the one that joins
+    then, and the one that ran throughout, generate what they generate alone."""
+    long, short, late = (GenerateRequest(p, _greedy(n)) for p, n in ((PROMPTS[2], 120), ("x", 3), (PROMPTS[1], 40)))
+    with _engine(models_dir) as engine:
+        alone = [_ids(_run(_collect(engine, r))) for r in (long, short, late)]
+
+        async def together() -> list[list[TokenEvent]]:
+            first = engine.submit(long)
+            head = [await anext(first)]
+            short_events = await _collect(engine, short)  # runs beside the long one, and leaves
+            head.append(await anext(first))  # a step after it left: its row rides along
+            late_events = asyncio.ensure_future(_collect(engine, late))  # joins while the long one runs
+            rest = [e async for e in first]
+            return [head + rest, short_events, await late_events]
+
+        mixed = [_ids(events) for events in _run(together())]
+    assert mixed == alone
+
+
 def test_a_seed_gives_the_same_text_alone_and_batched_and_different_seeds_differ(models_dir):
     def request(seed: int | None, temperature: float = 1.0) -> GenerateRequest:
         return GenerateRequest("Once", SamplingParams(max_tokens=48, temperature=temperature, seed=seed, top_p=0.9))

@@ -5,8 +5,9 @@ in place. No torch.
 
 Where the copies are today (each a full copy of every layer's cache, hence the budget in tokens, not in rows):
   1. every decoding step: the graph concatenates past and the new token into `present` (inside ONNX Runtime);
-  2. `join`: the running rows and the new ones copied into arrays one prefill wider or taller;
-  3. `keep`: rows that leave dropped and all-padding leading columns trimmed, in one copy.
+  2. `join`: the running rows that stay and the new ones copied into arrays one prefill wider or taller;
+  3. `keep`: rows that leave dropped and all-padding leading columns trimmed, in one copy. The step runner calls it
+     only when many rows have left and none join (a row that left rides along, unused, until the next join).
 With a `device` (ORT I/O binding, for the GPU) the past stays there as OrtValues between decoding steps; `join` and
 `keep`, which happen when sequences arrive or leave, go through the host.
 """
@@ -64,17 +65,23 @@ class BatchCache:
         self.width += 1
         self.lengths = self.lengths + 1
 
-    def join(self, present: Past, lengths: np.ndarray) -> None:
+    def join(self, present: Past, lengths: np.ndarray, kept: list[int] | None = None) -> None:
         """New rows after the running ones: a prefill's `present` (n, kv, P, hs) per layer, left-padded, with `lengths`
-        (n,) real tokens per row. Copy 2: both sets of rows into arrays max(W, P) wide."""
-        rows, width = self.lengths.size, self.width
+        (n,) real tokens per row; `kept`: the running rows that stay, in this order (None: all). Copy 2: the rows
+        that stay and the new ones into arrays as wide as the longest of them needs (rows that left cost no copy of
+        their own: they go in this one)."""
+        kept = list(range(self.lengths.size)) if kept is None else kept
+        old_lengths = self.lengths[kept]
+        width = int(old_lengths.max()) if old_lengths.size else 0
+        start = self.width - width  # leading columns that are padding in every row that stays
         present = self._host(present)
         new_width = max(width, present[0].shape[2])
-        merged = self._empty_host(rows + len(lengths), new_width)
+        merged = self._empty_host(len(kept) + len(lengths), new_width)
+        index = np.asarray(kept, np.int64)
         for out, old, new in zip(merged, self._host(self.past), present, strict=True):
-            out[:rows, :, new_width - width :] = old  # (B, kv, W, hs) right-aligned in (B + n, kv, W', hs)
-            out[rows:, :, new_width - new.shape[2] :] = new  # (n, kv, P, hs) likewise
-        self._set(merged, np.concatenate([self.lengths, lengths.astype(np.int64)]))
+            out[: len(kept), :, new_width - width :] = old[index, :, start:]  # (B', kv, W, hs) right-aligned
+            out[len(kept) :, :, new_width - new.shape[2] :] = new  # (n, kv, P, hs) likewise
+        self._set(merged, np.concatenate([old_lengths, lengths.astype(np.int64)]))
 
     def keep(self, rows: list[int]) -> None:
         """Only these rows stay, in this order; leading columns that are padding in every one left are trimmed.
