@@ -18,7 +18,25 @@ def not_a_classifier(name: str) -> BadRequestError:
     return BadRequestError(f"model {name!r} is a decoder: use {GENERATION_ROUTES.replace('{name}', name)}")
 
 
-class ColocatedDecoder:
+class NotAClassifier:
+    """A decoder placement's answers to what only classifiers do: a 400 naming the generation routes."""
+
+    name: str
+
+    async def infer(self, ids: np.ndarray, mask: np.ndarray, alone: bool = False):
+        raise not_a_classifier(self.name)
+
+    async def spare_infer(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray | None:
+        raise not_a_classifier(self.name)
+
+    def preempt(self) -> None:
+        """Nothing to stop: a decoder is never a shadow."""
+
+    async def attention(self, ids: np.ndarray):
+        raise not_a_classifier(self.name)
+
+
+class ColocatedDecoder(NotAClassifier):
     """The decoder's engine lives in the ingress replica; `generate` submits to it."""
 
     placement = "colocated"
@@ -49,18 +67,6 @@ class ColocatedDecoder:
         if self.engine is None:  # admission refuses a model that is not ready first
             raise NotReadyError(f"model {self.name!r} is not ready: {self._status.reason}")
         return self.engine.submit(request)
-
-    async def infer(self, ids: np.ndarray, mask: np.ndarray, alone: bool = False):
-        raise not_a_classifier(self.name)
-
-    async def spare_infer(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray | None:
-        raise not_a_classifier(self.name)
-
-    def preempt(self) -> None:
-        """Nothing to stop: a decoder is never a shadow."""
-
-    async def attention(self, ids: np.ndarray):
-        raise not_a_classifier(self.name)
 
     async def drain(self, grace_s: float) -> None:
         if self.engine is not None:

@@ -9,13 +9,12 @@ import asyncio
 import dataclasses
 import time
 
-import numpy as np
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from contract.decoder_metadata import DecoderMetadata
 from service.errors import NotReadyError
 from service.generate import ABORT, GenerateRequest, Timing, TokenEvent, Usage
-from service.generating import not_a_classifier
+from service.generating import NotAClassifier
 from service.inference import ModelStatus
 from service.placement import STATUS_TIMEOUT_S
 from service.remote_calls import CallCancelled, answer_of
@@ -85,7 +84,7 @@ class RemoteStream:
         return TokenEvent((), "", now, step, ABORT, Usage(self.prompt_tokens, self._tokens), timing)
 
 
-class RemoteDecoder:
+class RemoteDecoder(NotAClassifier):
     """The decoder's deployment; the prompt is encoded and checked here (the same 400s as co-located, before any
     Ray call) and sent as token ids."""
 
@@ -135,18 +134,6 @@ class RemoteDecoder:
     def state(self) -> None:
         """Its engine's state lives in its replicas' processes."""
         return None
-
-    async def infer(self, ids: np.ndarray, mask: np.ndarray, alone: bool = False):
-        raise not_a_classifier(self.name)
-
-    async def spare_infer(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray | None:
-        raise not_a_classifier(self.name)
-
-    def preempt(self) -> None:
-        """Nothing to stop: a decoder is never a shadow."""
-
-    async def attention(self, ids: np.ndarray):
-        raise not_a_classifier(self.name)
 
     def close(self) -> None:
         """Nothing held here: its replicas go with a redeploy."""

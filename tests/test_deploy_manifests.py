@@ -26,6 +26,7 @@ GPU_OVERLAY = K8S / "overlays" / "gpu"
 CRDS = Path(__file__).resolve().parents[2] / "shared" / "k8s" / "crds"
 K8S_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())  # an old supported release and the newest known
 KUBECTL = shutil.which("kubectl")
+METRIC_MODULES = ("metrics.py", "generation_metrics.py")  # under service/: where every series is declared
 
 needs_crds = pytest.mark.skipif(not CRDS.is_dir(), reason=f"upstream CRDs not found at {CRDS} (../shared beside it)")
 needs_kubectl = pytest.mark.skipif(KUBECTL is None, reason="kubectl (with its built-in kustomize) is not installed")
@@ -312,13 +313,12 @@ def test_promtool_accepts_the_rules(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-@pytest.mark.skipif(not (ROOT / "service" / "metrics.py").is_file(), reason="service/metrics.py does not exist yet")
 def test_rules_name_only_metrics_the_service_defines():
-    source = (ROOT / "service" / "metrics.py").read_text()
+    source = "".join((ROOT / "service" / name).read_text() for name in METRIC_MODULES)
     defined = {base_name(f"ray_{s}") for s in re.findall(r"[\"']([a-z][a-z0-9_]+)[\"']", source)}
     (rule,) = of_kind(base_docs(), "PrometheusRule")
     missing = sorted(rule_metric_names(rule) - defined)
-    assert not missing, f"the rules name metrics that service/metrics.py does not define: {missing}"
+    assert not missing, f"the rules name metrics that {METRIC_MODULES} do not define: {missing}"
     exprs = " ".join(str(r["expr"]) for g in rule["spec"]["groups"] for r in g["rules"])
     labels = {x.strip() for group in re.findall(r"by \(([^)]*)\)", exprs) for x in group.split(",")}
     labels |= set(re.findall(r"[{,]\s*([a-z_]+)\s*[=!]~?", exprs))

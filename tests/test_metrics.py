@@ -22,7 +22,7 @@ import yaml
 from prometheus import GENERATION_ROW, PROMETHEUS_YML, PrometheusServer, dashboard_metric_names
 from serving import deploy
 
-from service import metrics
+from service import generation_metrics, metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 RULES = ROOT / "deploy" / "rules.yml"
@@ -57,7 +57,7 @@ def test_local_rules_are_the_prometheusrule_groups_of_the_cluster():
 
 
 def test_dashboard_queries_name_only_metrics_the_service_defines():
-    source = Path(metrics.__file__).read_text()
+    source = Path(metrics.__file__).read_text() + Path(generation_metrics.__file__).read_text()
     defined = {f"ray_{n}" for n in re.findall(r'"(mha_[a-z0-9_]+)"', source)}
     names = dashboard_metric_names() | dashboard_metric_names(GENERATION_ROW)
     assert dashboard_metric_names(GENERATION_ROW), "the dashboard has no generation row"
