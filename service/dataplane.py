@@ -259,9 +259,8 @@ class DataPlane:
             labels = self.models.labels(name)
             if not labels["heads"]:  # not seen ready yet: no head configuration to label it with
                 continue
-            state = placement.engine.state()
             decoder = generation_labels(labels, placement.engine.meta.kv_heads)
-            self.generation_metrics.engines.set(decoder, state.running, state.waiting, state.kv_cache_usage)
+            self.generation_metrics.engines.set(decoder, placement.engine.state())
 
     def _start_gauge_refresher(self) -> None:
         if self._gauge_refresher is None:

@@ -58,14 +58,7 @@ def model_deployment(
     name: str, models_dir: str, backend: str, settings: DeploymentSettings, num_gpus: float
 ) -> Application:
     """The bound deployment for one model folder, named after the model, with its resources and limits."""
-    return ModelServer.options(
-        name=name,
-        ray_actor_options={"num_cpus": settings.num_cpus, "num_gpus": num_gpus},
-        max_ongoing_requests=settings.max_ongoing_requests,
-        max_queued_requests=settings.max_queued_requests,
-        health_check_period_s=settings.health_check_period_s,
-        **settings.scaling(),
-    ).bind(models_dir, name, backend, settings)
+    return ModelServer.options(**_replicas(name, settings, num_gpus)).bind(models_dir, name, backend, settings)
 
 
 @serve.deployment
@@ -105,8 +98,7 @@ class DecoderServer:
         labels = generation_labels(model_labels(engine.meta, engine.runtime.backend), engine.meta.kv_heads)
         while True:
             try:
-                state = engine.state()
-                self._gauges.set(labels, state.running, state.waiting, state.kv_cache_usage)
+                self._gauges.set(labels, engine.state())
             except Exception:  # one failed export must not stop the gauges for good
                 logger.exception("refreshing the engine's gauges failed; trying again in %g s", GAUGE_REFRESH_S)
             await asyncio.sleep(GAUGE_REFRESH_S)
@@ -120,11 +112,16 @@ def decoder_deployment(
 ) -> Application:
     """The bound deployment for one decoder folder, named after the model: replicas and resources from its
     deployment settings, the engine from the `generate` block."""
-    return DecoderServer.options(
-        name=name,
-        ray_actor_options={"num_cpus": settings.num_cpus, "num_gpus": num_gpus},
-        max_ongoing_requests=settings.max_ongoing_requests,
-        max_queued_requests=settings.max_queued_requests,
-        health_check_period_s=settings.health_check_period_s,
+    return DecoderServer.options(**_replicas(name, settings, num_gpus)).bind(models_dir, name, generation)
+
+
+def _replicas(name: str, settings: DeploymentSettings, num_gpus: float) -> dict:
+    """A model deployment's Serve options: named after the model, its resources, limits and scaling."""
+    return {
+        "name": name,
+        "ray_actor_options": {"num_cpus": settings.num_cpus, "num_gpus": num_gpus},
+        "max_ongoing_requests": settings.max_ongoing_requests,
+        "max_queued_requests": settings.max_queued_requests,
+        "health_check_period_s": settings.health_check_period_s,
         **settings.scaling(),
-    ).bind(models_dir, name, generation)
+    }

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from ray.serve.metrics import Counter, Gauge, Histogram
 
+from service.generate.scheduler import SchedulerState
 from service.metrics import LATENCY_BUCKETS_S, MODEL_LABELS
 
 GENERATION_LABELS = (*MODEL_LABELS, "kv_heads")
@@ -130,8 +131,8 @@ class EngineGauges:
             tag_keys=GENERATION_LABELS,
         )
 
-    def set(self, labels: dict[str, str], running: int, waiting: int, kv_usage: float) -> None:
-        """A decoder's engine now; generation_labels."""
-        self.running.set(running, tags=labels)
-        self.waiting.set(waiting, tags=labels)
-        self.kv_usage.set(kv_usage, tags=labels)
+    def set(self, labels: dict[str, str], state: SchedulerState) -> None:
+        """A decoder's engine now (`engine.state()`); generation_labels."""
+        self.running.set(state.running, tags=labels)
+        self.waiting.set(state.waiting, tags=labels)
+        self.kv_usage.set(state.kv_cache_usage, tags=labels)

@@ -25,6 +25,15 @@ STATUS_TIMEOUT_S = 5.0  # a model deployment without a live replica answers noth
 SPARE_TIMEOUT_S = 30.0
 
 
+async def replica_status(name: str, handle: DeploymentHandle) -> ModelStatus:
+    """Ask the model's replica (live); a replica that does not answer is reported as not ready."""
+    try:
+        return await asyncio.wait_for(answer_of(name, handle.status.remote()), STATUS_TIMEOUT_S)
+    except TimeoutError:
+        reason = f"no replica answered within {STATUS_TIMEOUT_S:g} s (starting, or failed at start: `serve status`)"
+        return ModelStatus(name, False, reason)
+
+
 class ModelPlacement(Protocol):
     name: str
     placement: str  # "colocated" or "deployment"
@@ -92,12 +101,7 @@ class Remote:
         self._coalescer = coalescer
 
     async def status(self) -> ModelStatus:
-        """Ask the model's replica (live); a replica that does not answer is reported as not ready."""
-        try:
-            return await asyncio.wait_for(answer_of(self.name, self._handle.status.remote()), STATUS_TIMEOUT_S)
-        except TimeoutError:
-            reason = f"no replica answered within {STATUS_TIMEOUT_S:g} s (starting, or failed at start: `serve status`)"
-            return ModelStatus(self.name, False, reason)
+        return await replica_status(self.name, self._handle)
 
     async def infer(self, ids: np.ndarray, mask: np.ndarray, alone: bool = False) -> BatchResult:
         """`alone` says nothing here: the model's replica sees its own queue."""

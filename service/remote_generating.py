@@ -16,7 +16,7 @@ from service.errors import NotReadyError
 from service.generate import ABORT, GenerateRequest, Timing, TokenEvent, Usage
 from service.generating import NotAClassifier
 from service.inference import ModelStatus
-from service.placement import STATUS_TIMEOUT_S
+from service.placement import replica_status
 from service.remote_calls import CallCancelled, answer_of
 
 DRAIN_POLL_S = 0.02
@@ -99,12 +99,8 @@ class RemoteDecoder(NotAClassifier):
         self._streams: set[RemoteStream] = set()
 
     async def status(self) -> ModelStatus:
-        """Ask the decoder's replica (live); a replica that does not answer is reported as not ready."""
-        try:
-            status = await asyncio.wait_for(answer_of(self.name, self._status_handle.status.remote()), STATUS_TIMEOUT_S)
-        except TimeoutError:
-            reason = f"no replica answered within {STATUS_TIMEOUT_S:g} s (starting, or failed at start: `serve status`)"
-            return ModelStatus(self.name, False, reason)
+        """Ask the decoder's replica (live), as a classifier's deployment is asked."""
+        status = await replica_status(self.name, self._status_handle)
         if status.ready and isinstance(status.metadata, DecoderMetadata):
             self._meta = status.metadata
         return status

@@ -10,11 +10,11 @@ import time
 from collections.abc import Iterator
 
 import numpy as np
-import onnxruntime as ort
 
 from benchmarks.generate.figures import Timed, figures
 from contract.decoder_metadata import POSITION_IDS
 from contract.metadata import ATTENTION_MASK, INPUT_IDS
+from service.generate.runner import cache_device, run_step
 from service.generate.session import DecoderRuntime
 
 
@@ -25,8 +25,7 @@ def greedy_steps(
     of one token per row with the last step's present as past. `bound` (None: on the GPU only): present stays where
     the session runs between steps (ORT I/O binding), as the service keeps its KV cache on a GPU."""
     meta, session = runtime.meta, runtime.session
-    bound = runtime.backend == "gpu" if bound is None else bound
-    device = ("cuda" if runtime.backend == "gpu" else "cpu") if bound else None
+    device = cache_device(runtime, bound)
     batch, total = prompts.shape
     empty = np.zeros((batch, meta.kv_heads, 0, meta.head_dim), runtime.cache_dtype)  # (B, kv, 0, hs)
     past: dict = dict.fromkeys(meta.input_names[3:], empty)
@@ -35,30 +34,11 @@ def greedy_steps(
         positions = np.tile(np.arange(total - ids.shape[1], total, dtype=np.int64), (batch, 1))  # (B, T or 1)
         feeds = {INPUT_IDS: ids, ATTENTION_MASK: np.ones((batch, total), np.int64), POSITION_IDS: positions}
         # logits (B, T or 1, V); present (B, kv, total, hs) per layer, the next step's past
-        logits, present = _run(session, meta.output_names, {**feeds, **past}, device)
+        logits, present = run_step(session, meta.output_names, {**feeds, **past}, device)
         past = dict(zip(past, present, strict=True))
         tokens = logits[:, -1].argmax(axis=-1)  # (B,)
         yield tokens
         ids, total = tokens[:, None].astype(np.int64), total + 1  # (B, 1)
-
-
-def _run(session: ort.InferenceSession, outputs: list[str], feeds: dict, device: str | None) -> tuple:
-    """The logits on the host and present (as OrtValues on `device` when there is one)."""
-    if device is None:
-        logits, *present = session.run(None, feeds)
-        return logits, present
-    binding = session.io_binding()
-    for name, value in feeds.items():
-        if isinstance(value, ort.OrtValue):
-            binding.bind_ortvalue_input(name, value)
-        else:
-            binding.bind_cpu_input(name, value)
-    binding.bind_output(outputs[0], "cpu")
-    for name in outputs[1:]:
-        binding.bind_output(name, device)
-    session.run_with_iobinding(binding)
-    logits, *present = binding.get_outputs()
-    return logits.numpy(), present
 
 
 def bare_loop(runtime: DecoderRuntime, prompts: np.ndarray, new: int, repeats: int) -> dict:

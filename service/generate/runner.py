@@ -25,9 +25,7 @@ class StepRunner:
         """`io_binding` (None: on the GPU only): the KV cache stays where the session runs between steps."""
         self._session, self._pad_id = runtime.session, runtime.meta.pad_id
         self._outputs = runtime.meta.output_names  # logits, then present.{i}.key|value
-        bound = runtime.backend == "gpu" if io_binding is None else io_binding
-        device = ("cuda" if runtime.backend == "gpu" else "cpu") if bound else None
-        self._cache = BatchCache(runtime.meta, np.dtype(runtime.cache_dtype), device)
+        self._cache = BatchCache(runtime.meta, np.dtype(runtime.cache_dtype), cache_device(runtime, io_binding))
         self._rows: list[Sequence | None] = []  # by row of the cache; None: a row whose sequence left
 
     @property
@@ -90,26 +88,39 @@ class StepRunner:
         return self._sample(seqs, logits[:, -1])  # the last column is every prompt's last token: right-aligned
 
     def _run(self, feeds: dict[str, np.ndarray | ort.OrtValue]) -> tuple[np.ndarray, Past]:
-        """The logits on the host, and `present` where the cache is kept (bound to its device's memory)."""
-        device = self._cache.device
-        if device is None:
-            logits, *present = self._session.run(None, feeds)
-            return logits, present
-        binding = self._session.io_binding()
-        for name, value in feeds.items():
-            if isinstance(value, ort.OrtValue):
-                binding.bind_ortvalue_input(name, value)
-            else:
-                binding.bind_cpu_input(name, value)
-        binding.bind_output(self._outputs[0], "cpu")
-        for name in self._outputs[1:]:
-            binding.bind_output(name, device)
-        self._session.run_with_iobinding(binding)
-        logits, *present = binding.get_outputs()
-        return logits.numpy(), present
+        return run_step(self._session, self._outputs, feeds, self._cache.device)
 
     @staticmethod
     def _sample(seqs: list[Sequence] | tuple[Sequence, ...], logits: np.ndarray) -> list[tuple[Sequence, int]]:
         """(n, V) logits of each sequence's last position -> each sequence with its next token."""
         tokens = sample(logits, [s.params for s in seqs], [s.rng for s in seqs])  # (n,)
         return list(zip(seqs, tokens.tolist(), strict=True))
+
+
+def cache_device(runtime: DecoderRuntime, io_binding: bool | None) -> str | None:
+    """Where the KV cache is kept between steps: the session's device with ORT I/O binding ("cuda", or "cpu" when
+    asked for there), or None for plain numpy arrays; `io_binding` None: bound on the GPU only."""
+    bound = runtime.backend == "gpu" if io_binding is None else io_binding
+    return ("cuda" if runtime.backend == "gpu" else "cpu") if bound else None
+
+
+def run_step(
+    session: ort.InferenceSession, outputs: list[str], feeds: dict[str, np.ndarray | ort.OrtValue], device: str | None
+) -> tuple[np.ndarray, Past]:
+    """One run: the logits (outputs[0]) on the host, and `present` (the other outputs) as numpy arrays, or with a
+    `device` as OrtValues left there (bound to its memory)."""
+    if device is None:
+        logits, *present = session.run(None, feeds)
+        return logits, present
+    binding = session.io_binding()
+    for name, value in feeds.items():
+        if isinstance(value, ort.OrtValue):
+            binding.bind_ortvalue_input(name, value)
+        else:
+            binding.bind_cpu_input(name, value)
+    binding.bind_output(outputs[0], "cpu")
+    for name in outputs[1:]:
+        binding.bind_output(name, device)
+    session.run_with_iobinding(binding)
+    logits, *present = binding.get_outputs()
+    return logits.numpy(), present
