@@ -19,6 +19,7 @@ class GenerateConfig(BaseModel):
         None, ge=1, description="the budget in tokens instead (wins over kv_cache_mb); at least one context"
     )
     max_running: int = Field(32, ge=1, description="sequences in one decoding step (a step's batch size)")
+    prefill_chunk: int = Field(256, ge=1, description="prompt tokens one step runs while others decode (chunks)")
     max_waiting: int = Field(256, ge=1, description="sequences queued for room in the budget; one more: 503")
     queue_timeout_s: float = Field(
         30.0, gt=0, allow_inf_nan=False, description="a queued sequence not started by then: 503 with Retry-After"

@@ -182,6 +182,59 @@ def test_a_sequence_joining_after_others_left_generates_what_it_generates_alone(
     assert mixed == alone
 
 
+LONG_PROMPT = [BOS_ID, *range(40, 40 + 100)]  # 101 tokens: 7 chunks of 16
+
+
+@pytest.mark.parametrize("kv", KV_HEADS)
+def test_a_long_prompt_joining_running_streams_runs_in_chunks_while_they_get_a_token_every_step(models_dir, kv):
+    """With prefill_chunk 16, a 101-token prompt that arrives while another stream decodes runs over 7 steps, each of
+    which also gives the running stream its next token; it generates what it generates alone. Alone (nothing
+    decoding), the same prompt runs in one step."""
+    running, long = GenerateRequest(PROMPTS[1], _greedy(120)), GenerateRequest(LONG_PROMPT, _greedy(24))
+    with _engine(models_dir, kv, prefill_chunk=16) as engine:
+        alone = [_run(_collect(engine, r)) for r in (running, long)]
+        submitted_alone = engine.state().steps
+        assert _run(_collect(engine, long))[0].step == submitted_alone + 1
+
+        async def together() -> tuple[int, list[TokenEvent], list[TokenEvent]]:
+            first = engine.submit(running)
+            head = await _first_tokens(first, 2)
+            submitted = engine.state().steps
+            late = asyncio.ensure_future(_collect(engine, long))
+            return submitted, head + [e async for e in first], await late
+
+        submitted, running_events, long_events = _run(together())
+    assert _ids(long_events) == _ids(alone[1]) == _reference_greedy(models_dir / _name(kv), kv, LONG_PROMPT, 24)
+    assert _ids(running_events) == _ids(alone[0])
+    assert long_events[0].step - submitted >= 7, "the prompt's 7 chunks took a step each"
+    steps = [e.step for e in running_events]
+    assert steps == list(range(steps[0], steps[0] + len(steps))), "the running stream had a token at every step"
+    assert steps[0] < long_events[0].step < steps[-1]
+
+
+def test_a_prompt_cancelled_between_its_chunks_frees_its_kv_and_the_running_stream_goes_on(models_dir):
+    """prefill_chunk 1: the 101-token prompt takes 101 steps, so it is cancelled between two of its chunks."""
+    running, long = GenerateRequest("b", _greedy(200)), GenerateRequest(LONG_PROMPT, _greedy(24))
+    with _engine(models_dir, prefill_chunk=1) as engine:
+        alone = _ids(_run(_collect(engine, running)))
+
+        async def scenario():
+            first = engine.submit(running)
+            head = await _first_tokens(first, 2)
+            submitted = engine.state().steps
+            chunked = engine.submit(long)
+            while engine.state().steps < submitted + 3:  # a few of its chunks have run
+                await asyncio.sleep(0)
+            reserved = engine.state().kv_reserved_tokens
+            chunked.cancel()
+            return reserved, head + [e async for e in first], [e async for e in chunked]
+
+        reserved, events, cancelled = _run(scenario())
+        assert engine.state().kv_reserved_tokens == 0
+    assert reserved == (2 + 200) + (101 + 24), "both were running when the prompt was cancelled"
+    assert _ids(events) == alone and cancelled == []
+
+
 def test_a_seed_gives_the_same_text_alone_and_batched_and_different_seeds_differ(models_dir):
     def request(seed: int | None, temperature: float = 1.0) -> GenerateRequest:
         return GenerateRequest("Once", SamplingParams(max_tokens=48, temperature=temperature, seed=seed, top_p=0.9))

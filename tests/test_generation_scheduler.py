@@ -137,3 +137,5 @@ def test_a_kv_budget_that_cannot_hold_one_context_is_refused_naming_the_numbers(
         GenerationSettings(kv_cache_tokens=127).kv_budget_tokens(meta)
     with pytest.raises(ValueError, match="max_running=0 must be an integer >= 1; queue_timeout_s=-1"):
         GenerationSettings(max_running=0, queue_timeout_s=-1)
+    with pytest.raises(ValueError, match="prefill_chunk=0 must be an integer >= 1"):
+        GenerationSettings(prefill_chunk=0)

@@ -74,7 +74,8 @@ async def stream_one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
     return one
 
 
-async def _loop(port: int, bodies: list[bytes]) -> list[Timed]:
+async def closed_loop(port: int, bodies: list[bytes]) -> list[Timed]:
+    """`bodies` streamed one after the other on one keep-alive connection."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
         return [await stream_one(reader, writer, port, body) for body in bodies]
@@ -84,7 +85,7 @@ async def _loop(port: int, bodies: list[bytes]) -> list[Timed]:
 
 async def _closed_loops(port: int, bodies: list[list[bytes]]) -> tuple[list[Timed], float]:
     start = time.perf_counter()
-    done = await asyncio.gather(*(_loop(port, mine) for mine in bodies))
+    done = await asyncio.gather(*(closed_loop(port, mine) for mine in bodies))
     return [t for mine in done for t in mine], time.perf_counter() - start
 
 

@@ -1,11 +1,14 @@
 """One measurement's figures, the same keys for every system: output tokens per second over the whole measurement,
 and the medians of time to first token, time per output token (a request's last token minus its first, over the
-tokens between) and inter-token latency (every gap between two tokens of one request). No torch."""
+tokens between) and inter-token latency (every gap between two tokens of one request; also its p99 and largest).
+No torch."""
 
 from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
+
+import numpy as np
 
 
 @dataclass
@@ -30,6 +33,8 @@ def figures(timed: list[Timed], seconds: float) -> dict:
         "ttft_p50_ms": _median_ms(ttft),
         "tpot_p50_ms": _median_ms(tpot),
         "itl_p50_ms": _median_ms(itl),
+        "itl_p99_ms": float(np.percentile(itl, 99)) * 1e3 if itl else float("nan"),
+        "itl_max_ms": max(itl) * 1e3 if itl else float("nan"),
         "tokens": float(tokens),
         "requests": float(len(ok)),
         "errors": len(timed) - len(ok),

@@ -34,7 +34,7 @@ class GenerationEngine:
         self.runtime, self.meta, self.settings = runtime, runtime.meta, settings
         self.name = runtime.meta.name
         self._scheduler = Scheduler(self.name, settings.limits(runtime.meta))
-        self._runner = StepRunner(runtime, settings.io_binding)
+        self._runner = StepRunner(runtime, settings.io_binding, settings.prefill_chunk)
         self._thread = threading.Thread(target=self._loop, name=f"{RUNS}{self.name}", daemon=True)
         self._thread.start()
 

@@ -28,7 +28,7 @@ class BatchCache:
     `device` ("cuda", or "cpu" to run the same path on the host): the past is kept as OrtValues there."""
 
     def __init__(self, meta: DecoderMetadata, dtype: np.dtype, device: str | None = None) -> None:
-        self._past_names = meta.input_names[3:]  # past_key_values.{i}.key|value, in the graph's order
+        self.past_names = meta.input_names[3:]  # past_key_values.{i}.key|value, in the graph's order
         self._shape, self._dtype, self.device = (meta.kv_heads, meta.head_dim), dtype, device
         self.lengths = np.zeros(0, np.int64)  # (B,) tokens cached per row
         self.width = 0  # W
@@ -36,7 +36,7 @@ class BatchCache:
 
     def _empty_host(self, rows: int, width: int) -> list[np.ndarray]:
         kv, hd = self._shape
-        return [np.zeros((rows, kv, width, hd), self._dtype) for _ in self._past_names]  # (B, kv, W, hs) each
+        return [np.zeros((rows, kv, width, hd), self._dtype) for _ in self.past_names]  # (B, kv, W, hs) each
 
     def _empty(self, rows: int, width: int) -> Past:
         empty = self._empty_host(rows, width)
@@ -44,7 +44,7 @@ class BatchCache:
 
     def empty_feeds(self, rows: int) -> dict[str, np.ndarray]:
         """An empty past (W = 0) for a prefill of `rows` new sequences."""
-        return dict(zip(self._past_names, self._empty_host(rows, 0), strict=True))  # no bytes to place anywhere
+        return dict(zip(self.past_names, self._empty_host(rows, 0), strict=True))  # no bytes to place anywhere
 
     def decode_feeds(self, tokens: np.ndarray) -> dict[str, np.ndarray]:
         """(B,) each row's next input token -> the decoding step's feeds: the token at position lengths[row]."""
@@ -55,7 +55,7 @@ class BatchCache:
             INPUT_IDS: tokens[:, None],  # (B, 1)
             ATTENTION_MASK: mask,
             POSITION_IDS: self.lengths[:, None].copy(),  # (B, 1): positions count from each row's own first token
-            **dict(zip(self._past_names, self.past, strict=True)),
+            **dict(zip(self.past_names, self.past, strict=True)),
         }
 
     def advance(self, present: Past) -> None:

@@ -1,10 +1,12 @@
 """The step runner: executes one Schedule on the decoder's ORT session (one batched decoding step for the running rows,
-then one left-padded prefill of the admitted sequences, which then join the batch) and samples each sequence's next
-token. Runs on the engine's thread only. No torch."""
+then at most one prefill run: admitted prompts left-padded together, or the next chunk of a long one, which join the
+batch once their whole prompt has run) and samples each sequence's next token. Runs on the engine's thread only.
+No torch."""
 
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import numpy as np
 import onnxruntime as ort
@@ -21,12 +23,16 @@ from service.generate.session import DecoderRuntime
 class StepRunner:
     """Owns the batch: which sequence is in which row of the KV cache."""
 
-    def __init__(self, runtime: DecoderRuntime, io_binding: bool | None = None) -> None:
-        """`io_binding` (None: on the GPU only): the KV cache stays where the session runs between steps."""
+    def __init__(self, runtime: DecoderRuntime, io_binding: bool | None = None, prefill_chunk: int = 256) -> None:
+        """`io_binding` (None: on the GPU only): the KV cache stays where the session runs between steps.
+        `prefill_chunk`: prompt tokens (rows x padded width) one step runs while other sequences decode."""
         self._session, self._pad_id = runtime.session, runtime.meta.pad_id
         self._outputs = runtime.meta.output_names  # logits, then present.{i}.key|value
         self._cache = BatchCache(runtime.meta, np.dtype(runtime.cache_dtype), cache_device(runtime, io_binding))
         self._rows: list[Sequence | None] = []  # by row of the cache; None: a row whose sequence left
+        self._chunk = prefill_chunk
+        self._admitted: deque[Sequence] = deque()  # admitted, in order, their prompts not run yet
+        self._partial: tuple[Sequence, Past] | None = None  # a prompt part-run in chunks, and its cache (1, kv, n, hs)
 
     @property
     def rows(self) -> int:
@@ -37,20 +43,30 @@ class StepRunner:
         (cancelled, aborted, or finished in the last step): they stay in the batch, unused, until the next prefill's
         join drops them in the copy it makes anyway, or until half the rows are such (then one copy drops them):
         a copy of the whole cache at every leave took 9 % of the engine's thread at c=16 (py-spy)."""
-        staying = {seq.id for seq in plan.decode}
+        staying = {seq.id for seq in plan.decode}  # the scheduler's running sequences: prompts not run included
         self._rows = [seq if seq is not None and seq.id in staying else None for seq in self._rows]
+        self._admitted = deque(s for s in self._admitted if s.id in staying)
+        self._admitted.extend(plan.prefill)
+        if self._partial is not None and self._partial[0].id not in staying:
+            self._partial = None
         left = self._rows.count(None)
-        if left == len(self._rows) or (not plan.prefill and 2 * left > len(self._rows)):
+        if left == len(self._rows) or (not self._admitted and not self._partial and 2 * left > len(self._rows)):
             self._compact()
         tokens = self._decode() if self._rows else []
-        if plan.prefill:
-            tokens += self._prefill(plan.prefill)
+        if self._partial is not None:
+            tokens += self._next_chunk(*self._partial)
+        elif self._admitted:
+            tokens += self._prefill()
         return tokens
 
     def reset(self) -> None:
-        """Forget the batch (after a failed run: the cache may be half-updated)."""
+        """Forget the batch and the prompts not run (after a failed run: the cache may be half-updated)."""
         self._cache.clear()
-        self._rows = []
+        self._rows, self._admitted, self._partial = [], deque(), None
+
+    def _budget(self) -> int:
+        """Prompt tokens this step may run: a chunk while others decode (their next token waits for it), else all."""
+        return self._chunk if self._rows else 1 << 62
 
     def _staying(self) -> list[int]:
         return [r for r, seq in enumerate(self._rows) if seq is not None]
@@ -68,8 +84,18 @@ class StepRunner:
         rows = self._staying()
         return self._sample([self._rows[r] for r in rows], logits[rows, -1])
 
-    def _prefill(self, seqs: tuple[Sequence, ...]) -> list[tuple[Sequence, int]]:
-        """One run for all the new prompts, right-aligned as the batch's rows are, with an empty past."""
+    def _prefill(self) -> list[tuple[Sequence, int]]:
+        """One run for the admitted prompts that fit the step's budget together (rows x the longest), right-aligned
+        as the batch's rows are, with an empty past; a first prompt longer than the budget starts in chunks."""
+        budget = self._budget()
+        first = self._admitted[0]
+        if len(first.prompt) > budget:
+            self._admitted.popleft()
+            first.started = time.perf_counter()
+            return self._next_chunk(first, self._cache.empty_feeds(1))
+        seqs = [self._admitted.popleft()]
+        while self._admitted and (len(seqs) + 1) * max(len(s.prompt) for s in [*seqs, self._admitted[0]]) <= budget:
+            seqs.append(self._admitted.popleft())
         now = time.perf_counter()
         lengths = np.array([len(seq.prompt) for seq in seqs], np.int64)  # (n,)
         width = int(lengths.max())
@@ -82,10 +108,35 @@ class StepRunner:
         positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)  # (n, P): 0 from each prompt's first token
         feeds = {INPUT_IDS: ids, ATTENTION_MASK: mask, POSITION_IDS: positions, **self._cache.empty_feeds(len(seqs))}
         logits, present = self._run(feeds)  # (n, P, V), (n, kv, P, hs) per layer
+        self._join(seqs, present, lengths)
+        return self._sample(seqs, logits[:, -1])  # the last column is every prompt's last token: right-aligned
+
+    def _next_chunk(self, seq: Sequence, past: Past | dict) -> list[tuple[Sequence, int]]:
+        """The next `budget` tokens of `seq`'s prompt on the cache of those before them (1, kv, done, hs); once the
+        last has run, `seq` joins the batch with its first token."""
+        names = self._cache.past_names
+        cached = past if isinstance(past, dict) else dict(zip(names, past, strict=True))
+        done = _width(next(iter(cached.values())))
+        ids = np.asarray(seq.prompt[done : done + self._budget()], np.int64)[None]  # (1, n)
+        end = done + ids.shape[1]
+        feeds = {
+            INPUT_IDS: ids,
+            ATTENTION_MASK: np.ones((1, end), np.int64),  # (1, done + n)
+            POSITION_IDS: np.arange(done, end, dtype=np.int64)[None],  # (1, n)
+            **cached,
+        }
+        logits, present = self._run(feeds)  # (1, n, V), (1, kv, done + n, hs) per layer
+        if end < len(seq.prompt):
+            self._partial = (seq, present)
+            return []
+        self._partial = None
+        self._join([seq], present, np.array([end], np.int64))
+        return self._sample([seq], logits[:, -1])
+
+    def _join(self, seqs: list[Sequence], present: Past, lengths: np.ndarray) -> None:
         staying = self._staying()
         self._cache.join(present, lengths, staying)
         self._rows = [self._rows[r] for r in staying] + list(seqs)
-        return self._sample(seqs, logits[:, -1])  # the last column is every prompt's last token: right-aligned
 
     def _run(self, feeds: dict[str, np.ndarray | ort.OrtValue]) -> tuple[np.ndarray, Past]:
         return run_step(self._session, self._outputs, feeds, self._cache.device)
@@ -95,6 +146,11 @@ class StepRunner:
         """(n, V) logits of each sequence's last position -> each sequence with its next token."""
         tokens = sample(logits, [s.params for s in seqs], [s.rng for s in seqs])  # (n,)
         return list(zip(seqs, tokens.tolist(), strict=True))
+
+
+def _width(value: np.ndarray | ort.OrtValue) -> int:
+    """W of a cached (B, kv, W, hs) array or OrtValue."""
+    return int(value.shape()[2] if isinstance(value, ort.OrtValue) else value.shape[2])
 
 
 def cache_device(runtime: DecoderRuntime, io_binding: bool | None) -> str | None:

@@ -21,6 +21,9 @@ class GenerationSettings:
     kv_cache_mb: float = 64.0
     kv_cache_tokens: int | None = None  # the budget in tokens instead (it wins over kv_cache_mb when set)
     max_running: int = 32  # sequences in one decoding step whatever the budget: a step's batch size (see above)
+    # Prompt tokens (rows x padded width) one step runs while other sequences decode: a longer prompt runs in chunks
+    # over several steps, so that it delays each running stream's next token by one chunk's run, not its whole prompt.
+    prefill_chunk: int = 256
     max_waiting: int = 256  # sequences queued for room; one more is a 503 at once (the classifiers' queue bound)
     queue_timeout_s: float = 30.0  # a queued sequence that has not started by then ends with a 503 (Retry-After)
     threads: int = 2  # ORT intra-op threads: one run at a time, so every core of a 2-core node
@@ -32,7 +35,7 @@ class GenerationSettings:
 
     def __post_init__(self) -> None:
         problems = []
-        for key in ("max_running", "max_waiting", "threads"):
+        for key in ("max_running", "prefill_chunk", "max_waiting", "threads"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 problems.append(f"{key}={value!r} must be an integer >= 1")
