@@ -1,5 +1,5 @@
-"""benchmarks.generate end to end on a tiny decoder (`--quick`): the service, the bare loop, ONNX Runtime GenAI and
-the plain server each generate every requested token at c=1 and c=2, the ratios are the medians of the run's own
+"""benchmarks.generate end to end on a tiny decoder (`--quick`): the service, the service of `--versus` (this same
+checkout), the bare loop, ONNX Runtime GenAI and the plain server each generate every requested token at c=1 and c=2, the ratios are the medians of the run's own
 round-by-round figures, the bar's lines are printed with a verdict computed from the values, and the JSON is written.
 The real runs are `python -m benchmarks.generate` on a quiet machine."""
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ from export import decoder_export
 from export.decoder import DecoderConfig, DecoderLM
 from service.generate.session import load_decoder
 
-SYSTEMS = ("served", "bare", "genai", "plain")
+SYSTEMS = ("served", "before", "bare", "genai", "plain")  # before: --versus this same checkout
 LEVELS, PROMPT, NEW, ROUNDS = (1, 2), 8, 8, 2
 
 
@@ -32,6 +33,7 @@ def test_every_system_generates_every_token_at_each_concurrency_and_the_report_i
     decoder_export.export_decoder(model, model.config.metadata(), tmp_path)
     path = tmp_path / "generate.json"
     argv = ["--models", str(tmp_path), "--d-model", "32", "--heads", "4", "--kv-heads", "4", "--layers", "2"]
+    argv += ["--versus", str(Path(__file__).resolve().parents[1])]
     assert cli.main([*argv, "--max-len", "256", "--quick", "--rounds", str(ROUNDS), "--json", str(path)]) == 0
     printed = capsys.readouterr().out
     result = json.loads(path.read_text())
@@ -44,7 +46,7 @@ def test_every_system_generates_every_token_at_each_concurrency_and_the_report_i
             assert f"| {PROMPT} | {c} | {NAMES[system]} |" in printed
     for row in result["rows"]:
         served = figures[f"served p={PROMPT} c={row['concurrency']}"]["rounds"]
-        for system in ("bare", "genai", "plain"):
+        for system in ("before", "bare", "genai", "plain"):
             other = figures[f"{system} p={PROMPT} c={row['concurrency']}"]["rounds"]
             per_round = [s["tokens_s"] / o["tokens_s"] for s, o in zip(served, other, strict=True)]
             assert row["ratios"][system] == pytest.approx(statistics.median(per_round))

@@ -37,6 +37,10 @@ from service.generate import (
     TokenEvent,
     load_decoder,
 )
+from service.generate.output import TextOutput
+from service.generate.runner import StepRunner
+from service.generate.scheduler import Schedule
+from service.generate.sequence import Sequence
 
 KV_HEADS = [2, 1]
 HEADS, LAYERS, D_MODEL = 4, 2, 32
@@ -210,6 +214,26 @@ def test_a_long_prompt_joining_running_streams_runs_in_chunks_while_they_get_a_t
     steps = [e.step for e in running_events]
     assert steps == list(range(steps[0], steps[0] + len(steps))), "the running stream had a token at every step"
     assert steps[0] < long_events[0].step < steps[-1]
+
+
+def test_a_long_prompt_is_not_padded_into_a_batch_of_short_ones(models_dir):
+    """Admitted together with nothing decoding, four short prompts run as one prefill and the 101-token prompt
+    after them in the next step: padded into their batch, each short one would cost as much as the long one."""
+    runtime = load_decoder(models_dir, _name(2), "cpu", 1)
+    shorts = [[BOS_ID, *range(50 + i, 60 + i)] for i in range(4)]  # 11 tokens each
+
+    async def steps() -> list[list[int]]:
+        def seq(prompt: list[int]) -> Sequence:
+            return Sequence(tuple(prompt), _greedy(4), TextOutput(_greedy(4), EOS_ID, True), asyncio.Queue())
+
+        runner, admitted = StepRunner(runtime), [*map(seq, shorts), seq(LONG_PROMPT)]
+        first = runner.execute(Schedule(1, tuple(admitted), (), (), ()))
+        second = runner.execute(Schedule(2, (), tuple(admitted), (), ()))
+        return [[len(s.prompt) for s, _ in first], [len(s.prompt) for s, _ in second]]
+
+    first, second = _run(steps())
+    assert first == [11] * 4, "the short prompts' prefill ran alone"
+    assert sorted(second) == [11] * 4 + [101], "then their decoding step and the long prompt's prefill"
 
 
 def test_a_prompt_cancelled_between_its_chunks_frees_its_kv_and_the_running_stream_goes_on(models_dir):

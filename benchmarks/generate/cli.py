@@ -30,6 +30,7 @@ from service.generate.settings import MIB
 
 FULL = {"rounds": 3, "concurrency": [1, 4, 16, 32], "prompt_tokens": [32, 256], "output_tokens": 64, "requests": 2}
 QUICK = {"rounds": 1, "concurrency": [1, 2], "prompt_tokens": [8], "output_tokens": 8, "requests": 1}
+CHOICES = [s for s in SYSTEMS if s != "before"]  # `before` comes with --versus
 WARMUP_TOKENS = 4  # every system's sessions, threads and connections used once at each level before the rounds
 
 
@@ -52,15 +53,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--requests", type=int, help=f"per client (or batch) per measurement (default {FULL['requests']})")
     p.add_argument("--threads", type=int, default=2, help="ORT intra-op threads of the service, loop and plain server")
     p.add_argument("--backend", choices=("cpu", "gpu"), default="cpu", help="the service's, loop's and plain server's")
-    p.add_argument("--systems", type=lambda v: v.split(","), default=list(SYSTEMS), help="served,bare,genai,plain")
+    p.add_argument("--systems", type=lambda v: v.split(","), default=CHOICES, help=",".join(CHOICES))
+    p.add_argument("--versus", type=Path, help="another checkout: its service measured too (`before`), same config")
     p.add_argument("--json", type=Path, help="also write every figure here")
     p.add_argument("--quick", action="store_true", help="tiny defaults, for tests: c=1,2, 8 + 8 tokens, 1 round")
     args = p.parse_args(argv)
     for key, value in (QUICK if args.quick else FULL).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    if unknown := set(args.systems) - set(SYSTEMS):
-        p.error(f"--systems: unknown {sorted(unknown)}; choose from {','.join(SYSTEMS)}")
+    if unknown := set(args.systems) - set(CHOICES):
+        p.error(f"--systems: unknown {sorted(unknown)}; choose from {','.join(CHOICES)}")
     if not 1 <= args.output_tokens <= 256 or args.rounds < 1 or args.requests < 1 or min(args.concurrency) < 1:
         p.error("--output-tokens must be 1 to 256, --rounds, --requests and --concurrency at least 1")
     if max(args.prompt_tokens) + args.output_tokens > args.max_len:
@@ -114,12 +116,15 @@ def measure(args: argparse.Namespace) -> dict:
     name = ensure_decoder(args)
     runtime = load_decoder(args.models, name, args.backend, args.threads)
     given = prompts(runtime.meta.vocab_size, args.prompt_tokens, max(args.concurrency))
+    kv = runtime.meta.kv_bytes_per_token
     with contextlib.ExitStack() as stack:
         systems: dict[str, tuple] = {}
         if "served" in args.systems:
-            config = serve_config(args, name, runtime.meta.kv_bytes_per_token)
-            server = stack.enter_context(ServerProcess(config))
+            server = stack.enter_context(ServerProcess(serve_config(args, name, kv)))
             systems["served"] = (partial(client.served, server.port, name), server)
+        if args.versus is not None:
+            before = stack.enter_context(ServerProcess(serve_config(args, name, kv), tree=args.versus.resolve()))
+            systems["before"] = (partial(client.served, before.port, name), before)
         if "bare" in args.systems:
             systems["bare"] = (partial(loops.bare_loop, runtime), None)
         if "genai" in args.systems:

@@ -9,8 +9,19 @@ import statistics
 
 from benchmarks.serving.rounds import paired
 
-SYSTEMS = {"served": "service", "bare": "bare loop", "genai": "GenAI", "plain": "plain server"}
-RATIOS = {"bare": "service / bare loop", "genai": "service / GenAI", "plain": "service / plain server"}
+SYSTEMS = {
+    "served": "service",
+    "before": "service before",  # --versus: another checkout's service, for a change measured before and after
+    "bare": "bare loop",
+    "genai": "GenAI",
+    "plain": "plain server",
+}
+RATIOS = {
+    "before": "service / before",
+    "bare": "service / bare loop",
+    "genai": "service / GenAI",
+    "plain": "service / plain server",
+}
 BAR_LOADED, BAR_PROMPT = 16, 32  # the bar: 16 concurrent requests of 32-token prompts
 
 
@@ -96,7 +107,7 @@ def table(result: dict) -> str:
                 f"{f['errors']} |"
             )
     header = f"| prompt | c | {' | '.join(RATIOS.values())} | service / service c=1 |"
-    lines += ["", header, "| ---: |" + " ---: |" * 5]
+    lines += ["", header, "| ---: |" + " ---: |" * (len(RATIOS) + 2)]
     for row in result["rows"]:
         ratios = [_num(row["ratios"][s], 2) for s in RATIOS] + [_num(row["served_over_c1"], 2)]
         lines.append(f"| {row['prompt_tokens']} | {row['concurrency']} | {' | '.join(ratios)} |")

@@ -19,6 +19,9 @@ from service.generate.scheduler import Schedule
 from service.generate.sequence import Sequence
 from service.generate.session import DecoderRuntime
 
+PAD_WASTE = 2  # a prefill batch's padded tokens at most this many times its prompts' own...
+SMALL_PREFILL = 128  # ...unless it is this small anyway
+
 
 class StepRunner:
     """Owns the batch: which sequence is in which row of the KV cache."""
@@ -93,9 +96,7 @@ class StepRunner:
             self._admitted.popleft()
             first.started = time.perf_counter()
             return self._next_chunk(first, self._cache.empty_feeds(1))
-        seqs = [self._admitted.popleft()]
-        while self._admitted and (len(seqs) + 1) * max(len(s.prompt) for s in [*seqs, self._admitted[0]]) <= budget:
-            seqs.append(self._admitted.popleft())
+        seqs = self._batch(budget)
         now = time.perf_counter()
         lengths = np.array([len(seq.prompt) for seq in seqs], np.int64)  # (n,)
         width = int(lengths.max())
@@ -110,6 +111,21 @@ class StepRunner:
         logits, present = self._run(feeds)  # (n, P, V), (n, kv, P, hs) per layer
         self._join(seqs, present, lengths)
         return self._sample(seqs, logits[:, -1])  # the last column is every prompt's last token: right-aligned
+
+    def _batch(self, budget: int) -> list[Sequence]:
+        """The admitted prompts one prefill runs together, in order: while their padded size (rows x the longest)
+        fits `budget` and is at most PAD_WASTE times their own tokens (or small), since a short prompt beside a long
+        one costs as much as the long one."""
+        seqs = [self._admitted.popleft()]
+        real = width = len(seqs[0].prompt)
+        while self._admitted:
+            n = len(self._admitted[0].prompt)
+            padded = (len(seqs) + 1) * max(width, n)
+            if padded > budget or padded > max(PAD_WASTE * (real + n), SMALL_PREFILL):
+                break
+            seqs.append(self._admitted.popleft())
+            real, width = real + n, max(width, n)
+        return seqs
 
     def _next_chunk(self, seq: Sequence, past: Past | dict) -> list[tuple[Sequence, int]]:
         """The next `budget` tokens of `seq`'s prompt on the cache of those before them (1, kv, done, hs); once the
