@@ -1,6 +1,7 @@
 """benchmarks.generate end to end on a tiny decoder (`--quick`): the service, the service of `--versus` (this same
-checkout), the bare loop, ONNX Runtime GenAI and the plain server each generate every requested token at c=1 and c=2, the ratios are the medians of the run's own
-round-by-round figures, the bar's lines are printed with a verdict computed from the values, and the JSON is written.
+checkout), the bare loop, ONNX Runtime GenAI and the plain server each generate every requested token at c=1 and
+c=2, the ratios are the medians of the run's own round-by-round figures, the bar's lines are printed with a verdict
+computed from the values, and the JSON is written.
 The real runs are `python -m benchmarks.generate` on a quiet machine."""
 
 from __future__ import annotations
