@@ -12,14 +12,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import sys
 import time
 from pathlib import Path
 
 from benchmarks.generate import client
-from benchmarks.generate.cli import ensure_decoder, prompts
+from benchmarks.generate.cli import add_decoder_options, ensure_decoder, prompts
 from benchmarks.generate.figures import figures
+from benchmarks.generate.report import markdown, printed
 from benchmarks.harness.server import ServerProcess
 from benchmarks.serving.rounds import Side, rounds
 from service.generate.session import load_decoder
@@ -29,12 +29,7 @@ SHORT_PROMPT = 32
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.prefill_chunk", description=__doc__.splitlines()[0])
-    p.add_argument("--models", type=Path, default=Path("runs/bench-models"), help="where the decoder lives")
-    p.add_argument("--d-model", type=int, default=512)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--max-len", type=int, default=512, help="the decoder's context (exported with it if missing)")
+    add_decoder_options(p)
     p.add_argument("--chunks", type=lambda v: [int(x) for x in v.split(",")], default=[64, 128, 256, 512])
     p.add_argument("--streams", type=int, default=16, help="closed loops of short prompts, long outputs")
     p.add_argument("--stream-tokens", type=int, default=128, help="each stream's output tokens")
@@ -104,31 +99,23 @@ def measure(args: argparse.Namespace) -> dict:
 
 def table(result: dict) -> str:
     s = result["settings"]
-    lines = [
+    heading = (
         f"{result['model']}: {s['streams']} streams of {SHORT_PROMPT}-token prompts and {s['stream_tokens']} tokens "
-        f"beside {s['arrivals']} closed loops of {s['long_prompt']}-token prompts, {s['rounds']} rounds (medians)",
-        "",
-        "| prefill_chunk | stream ITL p50 ms | stream ITL p99 ms | stream ITL max ms | stream TTFT p50 ms "
-        "| long prompt TTFT p50 ms | long prompts | tokens/s | errors |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        f"beside {s['arrivals']} closed loops of {s['long_prompt']}-token prompts, {s['rounds']} rounds (medians)"
+    )
+    headers = ["prefill_chunk", "stream ITL p50 ms", "stream ITL p99 ms", "stream ITL max ms", "stream TTFT p50 ms"]
+    headers += ["long prompt TTFT p50 ms", "long prompts", "tokens/s", "errors"]
+    keys = ["stream_itl_p50_ms", "stream_itl_p99_ms", "stream_itl_max_ms", "stream_ttft_p50_ms", "long_ttft_p50_ms"]
+    rows = [
+        [chunk, *(f"{d[k]:.1f}" for k in keys), f"{d['long_requests']:.0f}", f"{d['tokens_s']:.0f}", str(d["errors"])]
+        for chunk, d in result["chunks"].items()
     ]
-    for chunk, d in result["chunks"].items():
-        lines.append(
-            f"| {chunk} | {d['stream_itl_p50_ms']:.1f} | {d['stream_itl_p99_ms']:.1f} | {d['stream_itl_max_ms']:.1f} "
-            f"| {d['stream_ttft_p50_ms']:.1f} | {d['long_ttft_p50_ms']:.1f} | {d['long_requests']:.0f} "
-            f"| {d['tokens_s']:.0f} | {d['errors']} |"
-        )
-    return "\n".join(lines)
+    return markdown(heading, headers, rows)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    result = measure(args)
-    print(table(result))
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2, default=float) + "\n")
-    return 0
+    return printed(measure(args), table, args.json)
 
 
 if __name__ == "__main__":

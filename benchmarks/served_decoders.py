@@ -26,6 +26,7 @@ import numpy as np
 
 from benchmarks.generate import client
 from benchmarks.generate.cli import prompts
+from benchmarks.generate.report import markdown, printed
 from benchmarks.harness.server import ServerProcess
 from benchmarks.serving.rounds import Side, paired, rounds
 from contract.decoder_metadata import DecoderMetadata
@@ -138,32 +139,23 @@ def measure(args: argparse.Namespace) -> dict:
 
 def table(result: dict) -> str:
     s = result["settings"]
-    first = s["names"][0]
-    lines = [
+    heading = (
         f"c={s['concurrency']}, {s['prompt_tokens']}-token prompts, {s['output_tokens']} output tokens, KV budget "
-        f"{s['kv_cache_mb']:g} MiB, {s['rounds']} rounds (medians)",
-        "",
-        "| decoder | kv heads | KV bytes/token | sequences in budget | quality | output tokens/s | TTFT p50 ms "
-        f"| TPOT p50 ms | ITL p50 ms | tokens/s / {first} | errors |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
+        f"{s['kv_cache_mb']:g} MiB, {s['rounds']} rounds (medians)"
+    )
+    headers = ["decoder", "kv heads", "KV bytes/token", "sequences in budget", "quality", "output tokens/s"]
+    headers += ["TTFT p50 ms", "TPOT p50 ms", "ITL p50 ms", f"tokens/s / {s['names'][0]}", "errors"]
+    rows = []
     for name, d in result["decoders"].items():
-        lines.append(
-            f"| {name} | {d['kv_heads']} | {d['kv_bytes_per_token']:,} | {d['sequences_in_budget']} | {d['quality']} "
-            f"| {d['tokens_s']:.0f} | {d['ttft_p50_ms']:.1f} | {d['tpot_p50_ms']:.2f} | {d['itl_p50_ms']:.2f} "
-            f"| {d['over_first']:.2f} | {d['errors']} |"
-        )
-    return "\n".join(lines)
+        about = [str(d["kv_heads"]), f"{d['kv_bytes_per_token']:,}", str(d["sequences_in_budget"]), d["quality"]]
+        served = [f"{d['tokens_s']:.0f}", f"{d['ttft_p50_ms']:.1f}", f"{d['tpot_p50_ms']:.2f}"]
+        rows.append([name, *about, *served, f"{d['itl_p50_ms']:.2f}", f"{d['over_first']:.2f}", str(d["errors"])])
+    return markdown(heading, headers, rows)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    result = measure(args)
-    print(table(result))
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2, default=float) + "\n")
-    return 0
+    return printed(measure(args), table, args.json)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import subprocess
 import sys
 from functools import partial
@@ -21,7 +20,7 @@ import numpy as np
 
 from benchmarks.generate import client, loops
 from benchmarks.generate.plain_server import PlainGenerateServer
-from benchmarks.generate.report import SYSTEMS, bars, label, rows, table
+from benchmarks.generate.report import SYSTEMS, bars, label, printed, rows, table
 from benchmarks.harness.server import ServerProcess
 from benchmarks.serving.rounds import Side, rounds
 from contract.metadata import MODEL_FILE, config_name
@@ -38,14 +37,19 @@ def _ints(value: str) -> list[int]:
     return [int(x) for x in value.split(",")]
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.generate", description=__doc__.splitlines()[0])
+def add_decoder_options(p: argparse.ArgumentParser) -> None:
+    """The benchmarked decoder's folder and sizes (`ensure_decoder` exports it untrained if missing)."""
     p.add_argument("--models", type=Path, default=Path("runs/bench-models"), help="where the decoder lives")
     p.add_argument("--d-model", type=int, default=512)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--max-len", type=int, default=512, help="the decoder's context (exported with it if missing)")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.generate", description=__doc__.splitlines()[0])
+    add_decoder_options(p)
     p.add_argument("--rounds", type=int, help=f"default {FULL['rounds']}")
     p.add_argument("--concurrency", type=_ints, help="comma-separated (default 1,4,16,32)")
     p.add_argument("--prompt-tokens", type=_ints, help="comma-separated prompt lengths (default 32,256)")
@@ -150,9 +154,4 @@ def measure(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    result = measure(args)
-    print(table(result))
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-    return 0
+    return printed(measure(args), table, args.json)

@@ -4,8 +4,11 @@ machine state), the service's scaling, and the issue's bar checked against this 
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
+from collections.abc import Callable
+from pathlib import Path
 
 from benchmarks.serving.rounds import paired
 
@@ -118,3 +121,18 @@ def table(result: dict) -> str:
         verdict = "met" if bar["met"] else "not met"
         lines.append(f"- {bar['bar']}: {_num(bar['value'], 2)} (limit {bar['op']} {_num(bar['limit'], 2)}): {verdict}")
     return "\n".join(lines)
+
+
+def markdown(heading: str, headers: list[str], rows: list[list[str]]) -> str:
+    """A heading line, then a Markdown table of `rows` (cells formatted already) under `headers`."""
+    lines = [heading, "", "| " + " | ".join(headers) + " |", "|" + " --- |" * len(headers)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def printed(result: dict, table: Callable[[dict], str], path: Path | None) -> int:
+    """A generation benchmark's end: its Markdown table printed, and with `path` (`--json`) every figure written."""
+    print(table(result))
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2, default=float) + "\n")
+    return 0
