@@ -236,6 +236,32 @@ def test_a_long_prompt_is_not_padded_into_a_batch_of_short_ones(models_dir):
     assert sorted(second) == [11] * 4 + [101], "then their decoding step and the long prompt's prefill"
 
 
+def test_a_row_that_left_at_the_full_context_is_dropped_before_its_position_passes_the_context(models_dir):
+    """A sequence that filled the context leaves while another goes on (no join to drop its row): riding along, its
+    row would be fed position MAX_LEN, past the position embeddings, and the step would fail for every sequence."""
+    runtime = load_decoder(models_dir, _name(2), "cpu", 1)
+
+    async def tokens_of_b(with_a: bool) -> list[int]:
+        def seq(prompt: list[int]) -> Sequence:
+            return Sequence(tuple(prompt), _greedy(8), TextOutput(_greedy(8), EOS_ID, True), asyncio.Queue())
+
+        runner, step = StepRunner(runtime), iter(range(1, 100))
+        a = seq([BOS_ID, *(40 + i % 200 for i in range(MAX_LEN - 7))])  # MAX_LEN - 6 tokens
+        b = seq([BOS_ID, *range(60, 70)])
+        got: list[int] = []
+        if with_a:
+            runner.execute(Schedule(next(step), (a,), (), (), ()))  # a's cache: MAX_LEN - 6 tokens
+            runner.execute(Schedule(next(step), (), (a,), (), ()))
+        plans = [((b,), (a,) if with_a else ())] + [((), (a, b) if with_a else (b,))] * 3  # a's cache: MAX_LEN - 1
+        plans += [((), (b,))] * 6  # a leaves, no join after: its row rides along
+        for prefill, decode in plans:
+            out = runner.execute(Schedule(next(step), prefill, decode, (), ()))
+            got += [token for s, token in out if s is b]
+        return got
+
+    assert _run(tokens_of_b(with_a=True)) == _run(tokens_of_b(with_a=False))
+
+
 def test_a_prompt_cancelled_between_its_chunks_frees_its_kv_and_the_running_stream_goes_on(models_dir):
     """prefill_chunk 1: the 101-token prompt takes 101 steps, so it is cancelled between two of its chunks."""
     running, long = GenerateRequest("b", _greedy(200)), GenerateRequest(LONG_PROMPT, _greedy(24))

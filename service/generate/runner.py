@@ -34,6 +34,7 @@ class StepRunner:
         self._cache = BatchCache(runtime.meta, np.dtype(runtime.cache_dtype), cache_device(runtime, io_binding))
         self._rows: list[Sequence | None] = []  # by row of the cache; None: a row whose sequence left
         self._chunk = prefill_chunk
+        self._max_len = runtime.meta.max_len
         self._admitted: deque[Sequence] = deque()  # admitted, in order, their prompts not run yet
         self._partial: tuple[Sequence, Past] | None = None  # a prompt part-run in chunks, and its cache (1, kv, n, hs)
 
@@ -53,7 +54,8 @@ class StepRunner:
         if self._partial is not None and self._partial[0].id not in staying:
             self._partial = None
         left = self._rows.count(None)
-        if left == len(self._rows) or (not self._admitted and not self._partial and 2 * left > len(self._rows)):
+        crowded = not self._admitted and not self._partial and 2 * left > len(self._rows)
+        if left == len(self._rows) or crowded or (left and self._outgrown()):
             self._compact()
         tokens = self._decode() if self._rows else []
         if self._partial is not None:
@@ -70,6 +72,12 @@ class StepRunner:
     def _budget(self) -> int:
         """Prompt tokens this step may run: a chunk while others decode (their next token waits for it), else all."""
         return self._chunk if self._rows else 1 << 62
+
+    def _outgrown(self) -> bool:
+        """Whether a row that left has reached the context length: riding along, it is fed one more position each
+        step, and the next would be past the position embeddings (and the cache wider than any sequence needs)."""
+        lengths = self._cache.lengths
+        return any(seq is None and lengths[r] >= self._max_len for r, seq in enumerate(self._rows))
 
     def _staying(self) -> list[int]:
         return [r for r, seq in enumerate(self._rows) if seq is not None]
