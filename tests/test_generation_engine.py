@@ -37,6 +37,7 @@ from service.generate import (
     TokenEvent,
     load_decoder,
 )
+from service.generate.kv_cache import BatchCache
 from service.generate.output import TextOutput
 from service.generate.runner import StepRunner
 from service.generate.scheduler import Schedule
@@ -260,6 +261,33 @@ def test_a_row_that_left_at_the_full_context_is_dropped_before_its_position_pass
         return got
 
     assert _run(tokens_of_b(with_a=True)) == _run(tokens_of_b(with_a=False))
+
+
+def test_a_join_keeps_the_staying_rows_right_aligned_with_zeros_in_every_padding_column(models_dir):
+    """BatchCache.join writes into uninitialized arrays: every column left of a row's tokens must be 0 (a NaN there
+    would survive its masked-out weight of 0), and the rows that stay, whatever runs they form, keep their tokens."""
+    meta = load_decoder(models_dir, _name(2), "cpu", 1).meta
+    rng = np.random.default_rng(0)
+    cache = BatchCache(meta, np.dtype(np.float32))
+    lengths = np.array([3, 7, 5, 2, 6])
+    old = [rng.normal(size=(5, 2, 7, 8)).astype(np.float32) for _ in cache.past_names]  # (B, kv, W, hs)
+    for past in old:
+        for row, n in enumerate(lengths):
+            past[row, :, : 7 - n] = 0
+    cache.join(old, lengths)  # into an empty cache: these five rows as they are
+    new = [rng.normal(size=(2, 2, 9, 8)).astype(np.float32) for _ in cache.past_names]  # (n, kv, P, hs)
+    new_lengths = np.array([9, 4])
+    for past in new:
+        past[1, :, :5] = 0
+    kept = [0, 2, 3]  # runs (0), (2, 3)
+    np.copyto(np.empty((1 << 20,), np.float32), np.nan)  # dirty memory the join's arrays may be handed
+    cache.join(new, new_lengths, kept)
+    assert cache.width == 9 and cache.lengths.tolist() == [3, 5, 2, 9, 4]
+    for got, before, joined in zip(cache.past, old, new, strict=True):
+        want = np.zeros((5, 2, 9, 8), np.float32)
+        want[:3, :, 9 - 5 :] = before[kept, :, 7 - 5 :]  # the widest staying row has 5 tokens
+        want[3:] = joined
+        np.testing.assert_array_equal(got, want)
 
 
 def test_a_prompt_cancelled_between_its_chunks_frees_its_kv_and_the_running_stream_goes_on(models_dir):

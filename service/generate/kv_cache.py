@@ -76,11 +76,18 @@ class BatchCache:
         start = self.width - width  # leading columns that are padding in every row that stays
         present = self._host(present)
         new_width = max(width, present[0].shape[2])
-        merged = self._empty_host(len(kept) + len(lengths), new_width)
-        index = np.asarray(kept, np.int64)
+        kv, hs = self._shape
+        # Uninitialized, then the padding zeroed: a zeroed allocation would write every byte once more, and the
+        # padding must hold zeros, not whatever was there (a NaN times a masked-out weight of 0 is still NaN).
+        merged = [np.empty((len(kept) + len(lengths), kv, new_width, hs), self._dtype) for _ in self.past_names]
+        runs = _runs(kept)
         for out, old, new in zip(merged, self._host(self.past), present, strict=True):
-            out[: len(kept), :, new_width - width :] = old[index, :, start:]  # (B', kv, W, hs) right-aligned
-            out[len(kept) :, :, new_width - new.shape[2] :] = new  # (n, kv, P, hs) likewise
+            kept_part, new_part = out[: len(kept)], out[len(kept) :]  # (B', kv, W', hs), (n, kv, W', hs)
+            kept_part[:, :, : new_width - width] = 0
+            for at, first, count in runs:  # runs of consecutive rows: one copy each, no gathered temporary
+                kept_part[at : at + count, :, new_width - width :] = old[first : first + count, :, start:]
+            new_part[:, :, : new_width - new.shape[2]] = 0
+            new_part[:, :, new_width - new.shape[2] :] = new  # (n, kv, P, hs) right-aligned likewise
         self._set(merged, np.concatenate([old_lengths, lengths.astype(np.int64)]))
 
     def keep(self, rows: list[int]) -> None:
@@ -106,3 +113,14 @@ class BatchCache:
 
     def _to_device(self, array: np.ndarray) -> ort.OrtValue:
         return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array), self.device, 0)
+
+
+def _runs(rows: list[int]) -> list[tuple[int, int, int]]:
+    """`rows` as runs of consecutive indices: (position in `rows`, first row, count)."""
+    runs: list[tuple[int, int, int]] = []
+    for at, row in enumerate(rows):
+        if runs and runs[-1][1] + runs[-1][2] == row:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((at, row, 1))
+    return runs
