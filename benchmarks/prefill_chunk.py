@@ -19,7 +19,7 @@ from pathlib import Path
 from benchmarks.generate import client
 from benchmarks.generate.cli import add_decoder_options, ensure_decoder, prompts
 from benchmarks.generate.figures import figures
-from benchmarks.generate.report import markdown, printed
+from benchmarks.generate.report import markdown, run
 from benchmarks.harness.server import ServerProcess
 from benchmarks.serving.rounds import Side, rounds
 from service.generate.session import load_decoder
@@ -114,8 +114,7 @@ def table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    return printed(measure(args), table, args.json)
+    return run(argv, parse_args, measure, table)
 
 
 if __name__ == "__main__":

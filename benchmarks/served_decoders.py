@@ -26,7 +26,7 @@ import numpy as np
 
 from benchmarks.generate import client
 from benchmarks.generate.cli import prompts
-from benchmarks.generate.report import markdown, printed
+from benchmarks.generate.report import markdown, run
 from benchmarks.harness.server import ServerProcess
 from benchmarks.serving.rounds import Side, paired, rounds
 from contract.decoder_metadata import DecoderMetadata
@@ -154,8 +154,7 @@ def table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    return printed(measure(args), table, args.json)
+    return run(argv, parse_args, measure, table)
 
 
 if __name__ == "__main__":

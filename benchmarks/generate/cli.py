@@ -20,7 +20,7 @@ import numpy as np
 
 from benchmarks.generate import client, loops
 from benchmarks.generate.plain_server import PlainGenerateServer
-from benchmarks.generate.report import SYSTEMS, bars, label, printed, rows, table
+from benchmarks.generate.report import SYSTEMS, bars, label, rows, run, table
 from benchmarks.harness.server import ServerProcess
 from benchmarks.serving.rounds import Side, rounds
 from contract.metadata import MODEL_FILE, config_name
@@ -153,5 +153,4 @@ def measure(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    return printed(measure(args), table, args.json)
+    return run(argv, parse_args, measure, table)

@@ -4,11 +4,11 @@ machine state), the service's scaling, and the issue's bar checked against this 
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import statistics
 from collections.abc import Callable
-from pathlib import Path
 
 from benchmarks.serving.rounds import paired
 
@@ -129,10 +129,18 @@ def markdown(heading: str, headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
 
 
-def printed(result: dict, table: Callable[[dict], str], path: Path | None) -> int:
-    """A generation benchmark's end: its Markdown table printed, and with `path` (`--json`) every figure written."""
+def run(
+    argv: list[str] | None,
+    parse: Callable[[list[str] | None], argparse.Namespace],
+    measure: Callable[[argparse.Namespace], dict],
+    table: Callable[[dict], str],
+) -> int:
+    """A generation benchmark from its command line: measured, its Markdown table printed, and with `--json` every
+    figure written."""
+    args = parse(argv)
+    result = measure(args)
     print(table(result))
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=2, default=float) + "\n")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2, default=float) + "\n")
     return 0
