@@ -57,6 +57,8 @@ def test_the_bound_cache_generates_what_the_host_cache_does_as_sequences_join_an
     bound = _generated(models_dir, backend="cpu", io_binding=True)
     assert [len(ids) for ids in bound] == [90, 70, 70, 50]
     assert bound == plain
+    # prompts joining in chunks of 4 tokens: each chunk's past kept bound between its runs
+    assert _generated(models_dir, backend="cpu", io_binding=True, prefill_chunk=4) == plain
 
 
 @pytest.mark.gpu

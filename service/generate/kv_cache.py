@@ -1,7 +1,7 @@
 """The running batch's KV cache: per layer, past keys and values of shape (B, kv_heads, W, head_dim), each sequence in
 its own row, right-aligned (its cached tokens are the row's last `lengths[row]` columns; the columns before them are
-padding, masked out). The only module that knows that layout, so issue 59 can swap it for preallocated buffers written
-in place. No torch.
+padding, masked out). The only module that knows that layout. A preallocated buffer written in place (TensorScatter)
+measured no faster on the CPU, since ORT's Attention reads a buffer's whole capacity (`benchmarks.kv_layout`). No torch.
 
 Where the copies are today (each a full copy of every layer's cache, hence the budget in tokens, not in rows):
   1. every decoding step: the graph concatenates past and the new token into `present` (inside ONNX Runtime);

@@ -18,6 +18,7 @@ from service.generate.sampling import sample
 from service.generate.scheduler import Schedule
 from service.generate.sequence import Sequence
 from service.generate.session import DecoderRuntime
+from service.generate.settings import GenerationSettings
 
 PAD_WASTE = 2  # a prefill batch's padded tokens at most this many times its prompts' own...
 SMALL_PREFILL = 128  # ...unless it is this small anyway
@@ -26,7 +27,12 @@ SMALL_PREFILL = 128  # ...unless it is this small anyway
 class StepRunner:
     """Owns the batch: which sequence is in which row of the KV cache."""
 
-    def __init__(self, runtime: DecoderRuntime, io_binding: bool | None = None, prefill_chunk: int = 256) -> None:
+    def __init__(
+        self,
+        runtime: DecoderRuntime,
+        io_binding: bool | None = None,
+        prefill_chunk: int = GenerationSettings.prefill_chunk,
+    ) -> None:
         """`io_binding` (None: on the GPU only): the KV cache stays where the session runs between steps.
         `prefill_chunk`: prompt tokens (rows x padded width) one step runs while other sequences decode."""
         self._session, self._pad_id = runtime.session, runtime.meta.pad_id
@@ -36,7 +42,7 @@ class StepRunner:
         self._chunk = prefill_chunk
         self._max_len = runtime.meta.max_len
         self._admitted: deque[Sequence] = deque()  # admitted, in order, their prompts not run yet
-        self._partial: tuple[Sequence, Past] | None = None  # a prompt part-run in chunks, and its cache (1, kv, n, hs)
+        self._partial: tuple[Sequence, dict] | None = None  # a prompt part-run in chunks, and its past (1, kv, n, hs)
 
     @property
     def rows(self) -> int:
@@ -135,23 +141,21 @@ class StepRunner:
             real, width = real + n, max(width, n)
         return seqs
 
-    def _next_chunk(self, seq: Sequence, past: Past | dict) -> list[tuple[Sequence, int]]:
-        """The next `budget` tokens of `seq`'s prompt on the cache of those before them (1, kv, done, hs); once the
-        last has run, `seq` joins the batch with its first token."""
-        names = self._cache.past_names
-        cached = past if isinstance(past, dict) else dict(zip(names, past, strict=True))
-        done = _width(next(iter(cached.values())))
+    def _next_chunk(self, seq: Sequence, past: dict[str, np.ndarray | ort.OrtValue]) -> list[tuple[Sequence, int]]:
+        """The next `budget` tokens of `seq`'s prompt on `past`, the feeds of those before them (1, kv, done, hs);
+        once the last has run, `seq` joins the batch with its first token."""
+        done = _width(next(iter(past.values())))
         ids = np.asarray(seq.prompt[done : done + self._budget()], np.int64)[None]  # (1, n)
         end = done + ids.shape[1]
         feeds = {
             INPUT_IDS: ids,
             ATTENTION_MASK: np.ones((1, end), np.int64),  # (1, done + n)
             POSITION_IDS: np.arange(done, end, dtype=np.int64)[None],  # (1, n)
-            **cached,
+            **past,
         }
         logits, present = self._run(feeds)  # (1, n, V), (1, kv, done + n, hs) per layer
         if end < len(seq.prompt):
-            self._partial = (seq, present)
+            self._partial = (seq, dict(zip(self._cache.past_names, present, strict=True)))
             return []
         self._partial = None
         self._join([seq], present, np.array([end], np.int64))
