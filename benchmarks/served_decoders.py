@@ -98,8 +98,7 @@ def quality(folder: Path, meta: DecoderMetadata) -> str:
 
 def describe(args: argparse.Namespace, name: str) -> dict:
     meta = load_decoder(args.models, name, "cpu", 1).meta
-    budget = GenerationSettings(kv_cache_mb=args.kv_cache_mb).kv_budget_tokens(meta)
-    held = budget // (args.prompt_tokens + args.output_tokens)  # the scheduler reserves prompt + max_tokens each
+    held = GenerationSettings(kv_cache_mb=args.kv_cache_mb).rows_held(meta, args.prompt_tokens + args.output_tokens)
     return {
         "kv_heads": meta.kv_heads,
         "kv_bytes_per_token": meta.kv_bytes_per_token,

@@ -55,8 +55,15 @@ class DeploymentSettings(BaseModel):
     num_gpus: float | None = Field(
         None, ge=0, description="GPUs per replica; None: 0 on cpu, a share of one GPU per model on gpu/auto-with-GPU"
     )
-    max_ongoing_requests: int = Field(64, ge=1, description="requests a replica holds at once (>= batch rows)")
-    max_queued_requests: int = Field(256, ge=1, description="requests waiting for a replica; beyond it: 503")
+    max_ongoing_requests: int = Field(
+        64,
+        ge=1,
+        description="requests a replica holds at once (>= batch rows); a decoder's own deployment takes its limits "
+        "from `generate` instead (its engine's queue is the only one: service/deployment.py decoder_limits)",
+    )
+    max_queued_requests: int = Field(
+        256, ge=1, description="requests waiting for a replica; beyond it: 503 (a decoder: from `generate`)"
+    )
     max_batch_size: int = Field(32, ge=1, description="rows (sequences) per ORT run")
     batch_wait_timeout_s: float = Field(0.0, ge=0, description="wait for more rows; 0: batch what queued meanwhile")
     max_concurrent_batches: int | None = Field(

@@ -8,21 +8,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
 from contract.metadata import LOGITS, ModelMetadata
-from service import attention_api
+from service import attention_api, heap_trim
 from service.config import AppConfig
 from service.errors import BadRequestError, ModelNotFoundError, OverCapacityError, ServiceError
 from service.generate.output import OPENAI_FINISH_REASONS
 from service.generate.request import GenerateRequest, TokenEvent
-from service.generating import ColocatedDecoder, not_a_classifier
+from service.generating import ColocatedDecoder, not_a_classifier, not_a_decoder
 from service.generation_metrics import GenerationMetrics, generation_labels
 from service.inference import AttentionMap, InferenceRequest, InferenceResult, Listing, ModelStatus
-from service.limits import check_in_flight
+from service.limits import check_generation_in_flight, check_in_flight
 from service.load import Load
 from service.metrics import GAUGE_REFRESH_S, IngressMetrics
 from service.placement import ModelPlacement
@@ -70,6 +71,7 @@ class DataPlane:
         self.limits = config.limits
         self.server_name = config.server_name
         self.load = Load()
+        self._generating = 0  # generation requests admitted and not yet ended (their share of max_in_flight)
         self.metrics = IngressMetrics()
         self.generation_metrics = GenerationMetrics()
         self.models = ServedModels(placements, config.routes, self.metrics, self._start_gauge_refresher)
@@ -158,47 +160,69 @@ class DataPlane:
             loop.call_soon(self.metrics.finished, labels, endpoint.name, code, elapsed, rejected)
             if route is not None:
                 self.metrics.routed_request(route.name, labels, code)
-            if load.inference == 0:
-                loop.call_soon(self._shadows.idle)  # after the answer, too
+            if load.inference == 0:  # after the answer, too: mirrored runs, and the heap's freed pages back (1/s)
+                loop.call_soon(self._shadows.idle)
+                loop.call_soon(heap_trim.trim)
 
-    async def generate(self, endpoint: Endpoint, name: str, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
-        """One generation request to a decoder (or a route to decoders): its token events, the last with a
-        finish_reason, usage and timing. Admitted like any request (`admit`: a 503 for a full queue or a queue
-        timeout, raised here, is counted as a rejection there), and the admission held until the last event has been
-        taken; the consumer that stops early (a client gone) ends the sequence within a step. Records queue time,
-        time to first token, inter-token latency, the tokens, and how and when the request ended (a client gone: an
-        abort)."""
+    async def generate(
+        self, endpoint: Endpoint, name: str, request: GenerateRequest | Callable[[], GenerateRequest]
+    ) -> AsyncIterator[TokenEvent]:
+        """A generation request's token events, the last with a finish_reason, usage and timing. Admitted like any
+        request (its 503s, a full queue, a queue timeout or generation's share of max_in_flight, are rejections) until
+        its last event is taken; a consumer that stops (a client gone) ends it within a step. `request` may be a
+        callable that builds it once admitted (its 400s counted too). Time counts from the request's arrival."""
+        called = time.perf_counter()
         async with self.admit(endpoint, name) as call:
             placement = self.models.placement(call.target)
             if not getattr(placement, "generates", False):
-                raise BadRequestError(
-                    f"model {call.target!r} is a classifier: it generates no text; use /v2/models/{call.target}/infer "
-                    f"or /v1/models/{call.target}/predict"
-                )
-            meta = call.status.metadata
-            labels = generation_labels(self.models.labels(call.target, call.status), meta.kv_heads)
-            submitted = last = time.perf_counter()
-            stream = placement.submit(request)
-            first, finished = True, False
-            try:
-                async for event in stream:
-                    self.generation_metrics.token_event(labels, len(event.token_ids), event.time - last, first)
-                    if event.queued_s is not None:  # its prefill ran: a request that timed out waiting has none
-                        self.generation_metrics.queued(labels, event.queued_s)
-                        self.generation_metrics.prompt_tokens(labels, stream.prompt_tokens)
-                    if event.token_ids:
-                        first, last = False, event.time
-                    if event.finish_reason is not None:
-                        finished = True
-                        reason = OPENAI_FINISH_REASONS[event.finish_reason]
-                        self.generation_metrics.generation_finished(labels, reason, event.timing.total_s)
-                    yield event
-            except (asyncio.CancelledError, GeneratorExit):  # the client went away before the last event
-                if not finished:
-                    self.generation_metrics.generation_finished(labels, "abort", time.perf_counter() - submitted)
-                raise
-            finally:
-                stream.cancel()
+                raise not_a_decoder(call.target)
+            with self._generation_slot():
+                request = request() if callable(request) else request
+                if request.arrived is None:
+                    request = dataclasses.replace(request, arrived=called)
+                labels = generation_labels(self.models.labels(call.target, call.status), call.status.metadata.kv_heads)
+                stream = placement.submit(request)
+                try:  # closed with this generator (a client gone), so that it records the abort
+                    async with contextlib.aclosing(self._recorded(stream, labels, request.arrived)) as events:
+                        async for event in events:
+                            yield event
+                finally:
+                    stream.cancel()
+
+    async def _recorded(self, stream, labels: dict[str, str], arrived: float) -> AsyncIterator[TokenEvent]:
+        """`stream`'s events, each recorded in the generation metrics as taken; the first token's time once its
+        consumer has handled it (a stream's transport: written) and asks for more, or leaves."""
+        metrics, last, first, finished = self.generation_metrics, 0.0, 0, False
+        try:
+            async for event in stream:
+                tokens = len(event.token_ids)
+                if last:
+                    metrics.token_event(labels, tokens, event.time - last, False)
+                if event.queued_s is not None:  # its prefill ran: a request that timed out waiting has none
+                    metrics.queued(labels, event.queued_s)
+                    metrics.prompt_tokens(labels, stream.prompt_tokens)
+                if event.finish_reason is not None:
+                    finished, reason = True, OPENAI_FINISH_REASONS[event.finish_reason]
+                    metrics.generation_finished(labels, reason, event.timing.total_s)
+                first = 0 if last else tokens  # the first token's count, until its time is recorded
+                yield event
+                metrics.token_event(labels, first, time.perf_counter() - arrived, True)
+                first, last = 0, event.time if tokens else last
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away before the last event
+            metrics.token_event(labels, first, time.perf_counter() - arrived, True)
+            if not finished:
+                metrics.generation_finished(labels, "abort", time.perf_counter() - arrived)
+            raise
+
+    @contextlib.contextmanager
+    def _generation_slot(self) -> Iterator[None]:
+        """Generation's share of limits.max_in_flight, held for a whole stream: busy decoders leave classifiers room."""
+        check_generation_in_flight(self._generating + 1, self.limits)
+        self._generating += 1
+        try:
+            yield
+        finally:
+            self._generating -= 1
 
     def _classifier(self, call: Call) -> ModelPlacement:
         placement = self.models.placement(call.target)

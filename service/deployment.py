@@ -7,7 +7,9 @@ For GPU head configurations, or one that must scale on its own; the ingress reac
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import numpy as np
@@ -24,6 +26,9 @@ from service.generation_metrics import EngineGauges, generation_labels
 from service.metrics import GAUGE_REFRESH_S, model_labels
 
 logger = logging.getLogger(__name__)
+# Requests past its engine's limits that a decoder's replica takes at once, to refuse them itself: a burst beyond
+# the engine's room gets its 503s within a step, not after Serve's backoff (up to 0.5 s a retry); status calls pass.
+REFUSING_SLOTS = 16
 
 
 @serve.deployment
@@ -76,11 +81,12 @@ class DecoderServer:
         self._start_gauge_refresher()  # the ingress asks before its first request, and on every admission
         return await self._decoder.status()
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
+    async def generate(self, request: GenerateRequest, age_s: float = 0.0) -> AsyncIterator[TokenEvent]:
         """The request's token events, the last with its finish_reason (the prompt is token ids: the ingress
-        encoded and checked it); its refusal (a ServiceError) is raised before the first."""
+        encoded and checked it); its refusal (a ServiceError) is raised before the first. `age_s`: how long ago its
+        head arrived at the ingress, so that queue time and time to first token count from then here too."""
         self._start_gauge_refresher()
-        stream = self._decoder.submit(request)
+        stream = self._decoder.submit(dataclasses.replace(request, arrived=time.perf_counter() - age_s))
         try:
             async for event in stream:
                 yield event
@@ -111,8 +117,20 @@ def decoder_deployment(
     name: str, models_dir: str, settings: DeploymentSettings, generation: GenerationSettings, num_gpus: float
 ) -> Application:
     """The bound deployment for one decoder folder, named after the model: replicas and resources from its
-    deployment settings, the engine from the `generate` block."""
-    return DecoderServer.options(**_replicas(name, settings, num_gpus)).bind(models_dir, name, generation)
+    deployment settings, the engine from the `generate` block, and Serve's limits from the engine's
+    (`decoder_limits`)."""
+    options = _replicas(name, settings, num_gpus) | decoder_limits(generation)
+    return DecoderServer.options(**options).bind(models_dir, name, generation)
+
+
+def decoder_limits(generation: GenerationSettings) -> dict:
+    """Serve's limits for a decoder's replica, so that its engine's queue is the only one: a replica takes every
+    request its engine can hold (max_running + max_waiting) and REFUSING_SLOTS more, which the engine refuses at
+    once (503: its queue is full) instead of their waiting in Serve's queue, where queue_timeout_s and the waiting
+    gauge would not see them. Serve counts a request as queued while it picks a replica, so its queue is sized for
+    a burst that the engines have room for, not as a wait."""
+    held = generation.max_running + generation.max_waiting
+    return {"max_ongoing_requests": held + REFUSING_SLOTS, "max_queued_requests": held}
 
 
 def _replicas(name: str, settings: DeploymentSettings, num_gpus: float) -> dict:

@@ -132,6 +132,13 @@ class OverCapacityError(RetryLaterError):
     def in_flight(cls, limit: int) -> OverCapacityError:
         return cls(f"the server is over capacity ({limit} inference requests in progress); retry later")
 
+    @classmethod
+    def generation_in_flight(cls, limit: int) -> OverCapacityError:
+        return cls(
+            f"the server is over capacity for generation ({limit} generation requests in progress, "
+            "limits.max_generation_in_flight); retry later"
+        )
+
 
 class TooManyConnectionsError(OverCapacityError):
     """503: the ingress replica holds its limit of connections; this one is refused and closed."""

@@ -18,6 +18,13 @@ def not_a_classifier(name: str) -> BadRequestError:
     return BadRequestError(f"model {name!r} is a decoder: use {GENERATION_ROUTES.replace('{name}', name)}")
 
 
+def not_a_decoder(name: str) -> BadRequestError:
+    return BadRequestError(
+        f"model {name!r} is a classifier: it generates no text; use /v2/models/{name}/infer "
+        f"or /v1/models/{name}/predict"
+    )
+
+
 class NotAClassifier:
     """A decoder placement's answers to what only classifiers do: a 400 naming the generation routes."""
 

@@ -14,9 +14,13 @@ class GenerateConfig(BaseModel):
     give the reasons for the defaults), co-located in every serving process or in a deployment of its own."""
 
     model_config = ConfigDict(extra="forbid")
-    kv_cache_mb: float = Field(64.0, gt=0, allow_inf_nan=False, description="the KV cache budget of each decoder")
+    kv_cache_mb: float = Field(
+        128.0, gt=0, allow_inf_nan=False, description="the bytes each decoder's KV cache may hold (docs/serving.md)"
+    )
     kv_cache_tokens: int | None = Field(
-        None, ge=1, description="the budget in tokens instead (wins over kv_cache_mb); at least one context"
+        None,
+        ge=1,
+        description="the budget as rows x width of the batch instead (wins over kv_cache_mb); at least one context",
     )
     max_running: int = Field(32, ge=1, description="sequences in one decoding step (a step's batch size)")
     prefill_chunk: int = Field(256, ge=1, description="prompt tokens one step runs while others decode (chunks)")

@@ -30,7 +30,8 @@ class GenerationMetrics:
     def __init__(self) -> None:
         self.first_token = Histogram(
             "mha_time_to_first_token_seconds",
-            description="Time from a generation request's admission to its first token (queue and prefill).",
+            description="Time from a generation request's arrival (its head) to its first token handed to its client "
+            "(written, for a stream): reading, queue, prefill and the first write.",
             boundaries=LATENCY_BUCKETS_S,
             tag_keys=GENERATION_LABELS,
         )
@@ -75,7 +76,7 @@ class GenerationMetrics:
 
     def token_event(self, labels: dict[str, str], tokens: int, since_s: float, first: bool) -> None:
         """One event of a generation stream with `tokens` new tokens, `since_s` after the previous one (after the
-        admission for the `first` with a token); generation_labels."""
+        request's arrival for the `first` with a token); generation_labels."""
         if not tokens:
             return
         (self.first_token if first else self.inter_token).observe(since_s, tags=labels)
@@ -110,7 +111,7 @@ class GenerationMetrics:
 
 
 class EngineGauges:
-    """A decoder engine's running and waiting requests and KV cache usage, set every GAUGE_REFRESH_S by the process
+    """A decoder engine's running and waiting requests and KV cache bytes, set every GAUGE_REFRESH_S by the process
     that holds the engine: the ingress for a co-located decoder (DataPlane), the decoder's own replica otherwise
     (service/deployment.py). Each process's series add up in Prometheus."""
 
@@ -127,7 +128,14 @@ class EngineGauges:
         )
         self.kv_usage = Gauge(
             "mha_kv_cache_usage_perc",
-            description="Share of a decoder's KV cache budget reserved by its running requests (0 to 1).",
+            description="Share of a decoder's KV cache budget in bytes that its cache held at the peak of its last "
+            "step (0 to 1).",
+            tag_keys=GENERATION_LABELS,
+        )
+        self.kv_bytes = Gauge(
+            "mha_kv_cache_bytes",
+            description="Bytes a decoder's KV cache held at the peak of its last step: the batch's past and present, "
+            "padding, rows that left and the copies of a join included (0 once it holds nothing).",
             tag_keys=GENERATION_LABELS,
         )
 
@@ -136,3 +144,4 @@ class EngineGauges:
         self.running.set(state.running, tags=labels)
         self.waiting.set(state.waiting, tags=labels)
         self.kv_usage.set(state.kv_cache_usage, tags=labels)
+        self.kv_bytes.set(state.kv_bytes, tags=labels)

@@ -1,6 +1,7 @@
 """Request limits: their settings (RequestLimits, AppConfig's `limits`), enforced here for every transport: the head's
-size and header count, the body's size and arrival deadline, rows per request, connections and inference requests in
-progress. Each check raises the typed error that names its limit (service/errors.py). No torch.
+size and header count, the body's size and arrival deadline, rows per request, connections, and inference requests in
+progress (generation's own share of them too). Each check raises the typed error that names its limit
+(service/errors.py). No torch.
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from service.errors import (
     BadRequestError,
@@ -55,8 +56,9 @@ class RequestLimits(BaseModel):
     send_timeout_s: float = Field(
         30.0,
         gt=0,
-        description="a streamed answer (server-sent events) whose client takes none of it for this long is ended: the "
-        "connection closes and its sequence leaves the batch (a client that stops reading must not hold its slot)",
+        description="a streamed answer (server-sent events, a gRPC stream) whose client takes none of it for this long "
+        "is ended: its sequence leaves the batch and its connection is reset (gRPC: the call ends with "
+        "DEADLINE_EXCEEDED, and a connection whose peer answers no ping within this long is closed)",
     )
     drain_s: float = Field(
         8.0, ge=0, description="on SIGTERM: readiness 503 at once, requests in progress get this long to finish"
@@ -64,6 +66,27 @@ class RequestLimits(BaseModel):
     max_in_flight: int = Field(
         1024, ge=1, description="inference requests in progress per ingress replica, every model; more get 503"
     )
+    max_generation_in_flight: int | None = Field(
+        None,
+        ge=1,
+        description="of max_in_flight, the generation requests (each held for its whole stream) in progress per "
+        "ingress replica, every decoder; more get 503, so that busy decoders leave the classifiers the rest. At most "
+        "max_in_flight (equal: no share kept for classifiers); None: three quarters of it",
+    )
+
+    @model_validator(mode="after")
+    def _generation_within_in_flight(self) -> RequestLimits:
+        if self.max_generation_in_flight is not None and self.max_generation_in_flight > self.max_in_flight:
+            raise ValueError(
+                f"limits.max_generation_in_flight ({self.max_generation_in_flight}) must be at most "
+                f"limits.max_in_flight ({self.max_in_flight}): it is generation's share of it"
+            )
+        return self
+
+    @property
+    def generation_in_flight(self) -> int:
+        """Generation's share of max_in_flight: the setting, else three quarters (at least 1)."""
+        return self.max_generation_in_flight or max(1, self.max_in_flight * 3 // 4)
 
 
 def check_header_count(count: int, limits: RequestLimits) -> None:
@@ -123,3 +146,9 @@ def check_in_flight(in_flight: int, limits: RequestLimits) -> None:
     """`in_flight` counts the request being admitted."""
     if in_flight > limits.max_in_flight:
         raise OverCapacityError.in_flight(limits.max_in_flight)
+
+
+def check_generation_in_flight(generating: int, limits: RequestLimits) -> None:
+    """`generating` counts the generation request being admitted."""
+    if generating > limits.generation_in_flight:
+        raise OverCapacityError.generation_in_flight(limits.generation_in_flight)

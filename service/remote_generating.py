@@ -25,11 +25,12 @@ DRAIN_POLL_S = 0.02
 class RemoteStream:
     """One sequence's events from the decoder's replica, each stamped with this process's clock as it arrives (the
     inter-token latency the ingress sees; the replica may be on another node). Leaving it cancels the call, which
-    ends the sequence in the replica; `abort` ends it here with a last event whose finish_reason is "abort"."""
+    ends the sequence in the replica; `abort` ends it here with a last event whose finish_reason is "abort".
+    `arrived`: when the request's head arrived, this process's perf_counter."""
 
-    def __init__(self, name: str, response: DeploymentResponseGenerator, prompt_tokens: int) -> None:
+    def __init__(self, name: str, response: DeploymentResponseGenerator, prompt_tokens: int, arrived: float) -> None:
         self._name, self._response, self.prompt_tokens = name, response, prompt_tokens
-        self._arrived = time.perf_counter()
+        self._arrived = arrived
         self._first: TokenEvent | None = None  # the first event with a token: its queue time and first-token time
         self._last: TokenEvent | None = None
         self._tokens = 0
@@ -106,12 +107,15 @@ class RemoteDecoder(NotAClassifier):
         return status
 
     def submit(self, request: GenerateRequest) -> RemoteStream:
-        """Raises, with nothing sent: PromptError, ContextLengthError (400); NotReadyError (no status seen yet)."""
+        """Raises, with nothing sent: PromptError, ContextLengthError, SamplingParamsError (400); NotReadyError (no
+        status seen yet). The replica gets the request's age, not its arrival: perf_counter is this process's own."""
         if self._meta is None:
             raise NotReadyError(f"model {self.name!r} is not ready: its replica has not answered yet")
-        prompt = request.token_ids(self._meta)
-        call = dataclasses.replace(request, prompt=prompt)
-        stream = RemoteStream(self.name, self._handle.generate.remote(call), len(prompt))
+        prompt = request.checked(self._meta)
+        now = time.perf_counter()
+        arrived = now if request.arrived is None else request.arrived
+        call = dataclasses.replace(request, prompt=prompt, arrived=None)
+        stream = RemoteStream(self.name, self._handle.generate.remote(call, now - arrived), len(prompt), arrived)
         self._streams = {s for s in self._streams if not s.done}
         self._streams.add(stream)
         return stream

@@ -46,10 +46,10 @@ def error_response(exc: BaseException, openai: bool = False) -> Response:
     return json_response(error_body(f"internal error: {type(exc).__name__}: {exc}", 500, openai), 500)
 
 
-def raw_error_response(exc: ServiceError) -> bytes:
+def raw_error_response(exc: ServiceError, openai: bool = False) -> bytes:
     """The same answer as bytes on the wire, for errors found in the request head before any ASGI app runs; the
     connection closes after it."""
-    body = orjson.dumps({"error": str(exc)})
+    body = orjson.dumps(error_body(str(exc), exc.status, openai))
     headers = {"content-type": JSON, "content-length": str(len(body)), **(exc.headers() or {}), "Connection": "close"}
     head = [f"HTTP/1.1 {exc.status} {HTTPStatus(exc.status).phrase}", *(f"{k}: {v}" for k, v in headers.items())]
     return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body

@@ -1,5 +1,5 @@
 """Test support: the real Prometheus of benchmarks/harness/prometheus.py, or a skip (a failure in CI) without the
-binary; the metric names the Grafana dashboard's queries read."""
+binary; the metric names the Grafana dashboard's queries read; a metric's total in an exposition's text."""
 
 from __future__ import annotations
 
@@ -54,3 +54,12 @@ def dashboard_metric_names(row: str | None = None) -> set[str]:
         for name in re.findall(r"\bray_mha_[a-z0-9_]+", expr):
             names.add(re.sub(r"_(bucket|sum|count)$", "", name))
     return names
+
+
+def series_total(text: str, name: str, **labels: str) -> float:
+    """The sum of `name`'s samples in a Prometheus exposition `text` whose labels include `labels`."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -37,10 +39,10 @@ from service.generate import (
     TokenEvent,
     load_decoder,
 )
-from service.generate.kv_cache import BatchCache
+from service.generate.kv_cache import BatchCache, charged_width
 from service.generate.output import TextOutput
 from service.generate.runner import StepRunner
-from service.generate.scheduler import Schedule
+from service.generate.scheduler import Schedule, SchedulerState
 from service.generate.sequence import Sequence
 
 KV_HEADS = [2, 1]
@@ -87,6 +89,19 @@ def _run(coro):
 
 async def _collect(engine: GenerationEngine, request: GenerateRequest) -> list[TokenEvent]:
     return [event async for event in engine.generate(request)]
+
+
+def _settled(engine: GenerationEngine) -> SchedulerState:
+    """The engine's state once the step after the last sequence's end has dropped its rows (within a second)."""
+    deadline = time.monotonic() + 1.0
+    while (state := engine.state()).kv_reserved_tokens and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return state
+
+
+def _width(*finals: int) -> int:
+    """What the scheduler charges each row of a batch of sequences ending at `finals` tokens."""
+    return charged_width(list(finals), MAX_LEN)
 
 
 def _ids(events: list[TokenEvent]) -> list[int]:
@@ -280,7 +295,10 @@ def test_a_join_keeps_the_staying_rows_right_aligned_with_zeros_in_every_padding
     for past in new:
         past[1, :, :5] = 0
     kept = [0, 2, 3]  # runs (0), (2, 3)
-    np.copyto(np.empty((1 << 20,), np.float32), np.nan)  # dirty memory the join's arrays may be handed
+    # Dirty memory the join's arrays are handed: as many NaN-filled blocks of their very size, freed just before,
+    # which the allocator gives back for the next arrays of that size.
+    dirty = [np.full((5, 2, 9, 8), np.nan, np.float32) for _ in cache.past_names]
+    del dirty
     cache.join(new, new_lengths, kept)
     assert cache.width == 9 and cache.lengths.tolist() == [3, 5, 2, 9, 4]
     for got, before, joined in zip(cache.past, old, new, strict=True):
@@ -305,12 +323,14 @@ def test_a_prompt_cancelled_between_its_chunks_frees_its_kv_and_the_running_stre
                 await asyncio.sleep(0)
             reserved = engine.state().kv_reserved_tokens
             chunked.cancel()
-            return reserved, head + [e async for e in first], [e async for e in chunked]
+            while (engine.state().running, engine.state().kv_reserved_tokens) != (1, _width(2 + 200)):
+                await asyncio.sleep(0.001)  # the prompt's part-run cache dropped, its charge freed
+            return reserved, head + [e async for e in first]
 
-        reserved, events, cancelled = _run(scenario())
-        assert engine.state().kv_reserved_tokens == 0
-    assert reserved == (2 + 200) + (101 + 24), "both were running when the prompt was cancelled"
-    assert _ids(events) == alone and cancelled == []
+        reserved, events = _run(scenario())
+        assert _settled(engine).kv_reserved_tokens == 0
+    assert reserved == 2 * _width(2 + 200, 101 + 24), "both were running when the prompt was cancelled"
+    assert _ids(events) == alone
 
 
 def test_a_seed_gives_the_same_text_alone_and_batched_and_different_seeds_differ(models_dir):
@@ -396,28 +416,23 @@ async def _first_tokens(stream, n: int) -> list[TokenEvent]:
     return [await anext(stream) for _ in range(n)]
 
 
-def test_a_cancelled_stream_leaves_the_batch_and_frees_its_kv_within_one_step_and_others_go_on(models_dir):
+def test_a_cancelled_stream_leaves_the_batch_within_one_step_its_room_goes_to_the_next_and_others_go_on(models_dir):
     long = _greedy(240)
-    with _engine(models_dir) as engine:
+    with _engine(models_dir, kv_cache_tokens=2 * MAX_LEN) as engine:  # room for two full rows
         alone = _run(_collect(engine, GenerateRequest("b", long)))
 
         async def scenario():
             a, b = engine.submit(GenerateRequest("a", long)), engine.submit(GenerateRequest("b", long))
             await _first_tokens(a, 3)
+            c = engine.submit(GenerateRequest("c", _greedy(8)))  # waits: a and b hold the budget
             a.cancel()
             cancelled_at = engine.state().steps  # the step in flight, if any, still has it; the next one has not
-            seen, events = None, []
-            async for event in b:
-                events.append(event)
-                if event.step == cancelled_at + 1:
-                    seen = engine.state()
-            return seen, events
+            return cancelled_at, [e async for e in b], [e async for e in c]
 
-        seen, events = _run(scenario())
-    assert seen is not None, "the other stream ran past the step after the cancellation"
-    assert (seen.running, seen.kv_reserved_tokens) == (1, 2 + 240)
+        cancelled_at, events, third = _run(scenario())
+        assert _settled(engine).kv_reserved_tokens == 0
+    assert third[0].step == cancelled_at + 1, "c was admitted in a's room in the step after the cancellation"
     assert _ids(events) == _ids(alone) and events[-1].finish_reason == "length"
-    assert engine.state().kv_reserved_tokens == 0
 
 
 @pytest.mark.parametrize("how", ["breaks out of its loop", "has its task cancelled"])
@@ -426,14 +441,14 @@ def test_a_consumer_that_goes_away_frees_its_sequence(models_dir, how):
 
         async def consume(third: asyncio.Event) -> None:
             count = 0
-            async for _ in engine.generate(GenerateRequest("a", _greedy(240))):  # 2 + 240 tokens reserved
+            async for _ in engine.generate(GenerateRequest("a", _greedy(240))):
                 count += 1
                 third.set() if count == 3 else None
                 if count == 3 and how == "breaks out of its loop":
                     break
 
         async def scenario():
-            other = asyncio.create_task(_collect(engine, GenerateRequest("bb", _greedy(240))))  # 3 + 240
+            other = asyncio.create_task(_collect(engine, GenerateRequest("bb", _greedy(240))))
             third = asyncio.Event()
             task = asyncio.create_task(consume(third))
             await third.wait()
@@ -441,7 +456,7 @@ def test_a_consumer_that_goes_away_frees_its_sequence(models_dir, how):
                 task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-            while (engine.state().running, engine.state().kv_reserved_tokens) != (1, 243):
+            while engine.state().running != 1:  # its row is dropped when room is needed (or at the next join)
                 await asyncio.sleep(0.001)
             freed_while_the_other_ran = not other.done()
             return freed_while_the_other_ran, await other
@@ -478,7 +493,8 @@ def test_past_max_waiting_the_answer_is_a_503_at_once(models_dir):
                 engine.submit(GenerateRequest("third", _greedy(4)))
             state = engine.state()
             assert state.waiting == 1 and state.running == 1
-            assert state.kv_cache_usage == (1 + len("first") + 200) / MAX_LEN  # BOS, a token per byte, max_tokens
+            assert state.kv_reserved_tokens == _width(1 + len("first") + 200)  # BOS, a token per byte, max_tokens
+            assert 0 < state.kv_cache_usage <= 1 and state.kv_bytes <= state.kv_budget_bytes
             await first.aclose()
             return err.value, [e async for e in second]
 
@@ -499,9 +515,10 @@ def test_past_queue_timeout_the_waiting_sequence_ends_with_a_503(models_dir):
             return err.value, [e async for e in first]
 
         error, events = _run(scenario())
+        state = _settled(engine)
     assert error.status == 503 and "Retry-After" in error.headers() and "queue_timeout_s 0.005" in str(error)
     assert events[-1].usage.completion_tokens == 240
-    assert engine.state().waiting == 0 and engine.state().kv_cache_usage == 0
+    assert state.waiting == 0 and state.kv_cache_usage == 0
 
 
 def test_drain_refuses_new_requests_and_lets_running_ones_finish(models_dir):
@@ -561,3 +578,57 @@ def test_a_failing_step_ends_its_sequences_with_a_500_and_the_engine_goes_on(mod
         assert engine.state().running == 0 and engine.state().kv_reserved_tokens == 0
     finally:
         engine.close()
+
+
+def test_the_kv_cache_never_holds_more_bytes_than_its_budget_whatever_the_mix_of_lengths(models_dir):
+    """One long sequence beside many short ones (the padded rectangle's worst case) under a budget of two full
+    rows: the bytes the cache held at every step's peak (past, present and copies, measured on the arrays) stay
+    within the budget, while the batch still runs several rows at once."""
+    with _engine(models_dir, kv_cache_tokens=2 * MAX_LEN) as engine:
+        budget = engine.state().kv_budget_bytes
+        peaks, running = [], []
+
+        async def watch(request: GenerateRequest) -> list[TokenEvent]:
+            events = []
+            async for event in engine.generate(request):
+                state = engine.state()
+                peaks.append(state.kv_bytes)
+                running.append(state.running)
+                events.append(event)
+            return events
+
+        async def scenario():
+            requests = [GenerateRequest("x" * 180, _greedy(60))]
+            requests += [GenerateRequest("short", _greedy(12)) for _ in range(24)]
+            return await asyncio.gather(*(watch(r) for r in requests))
+
+        results = _run(scenario())
+    assert all(r[-1].finish_reason == "length" for r in results)
+    assert 0 < max(peaks) <= budget, (max(peaks), budget)
+    assert max(running) >= 2
+
+
+def test_a_consumer_that_stops_reading_pauses_its_sequence_and_gets_the_same_text_once_it_reads(models_dir):
+    """The consumer takes nothing: past UNSENT_BYTES of events its sequence is paused (its row dropped, no more
+    steps for it) while another runs on; once it reads, the sequence is recomputed and goes on to the same tokens."""
+    request = GenerateRequest("def f(x):", _greedy(200))
+    with _engine(models_dir) as engine:
+        alone = _ids(_run(_collect(engine, request)))
+
+        async def scenario():
+            idle = engine.submit(request)
+            other = asyncio.create_task(_collect(engine, GenerateRequest("b", _greedy(200))))
+            while engine.state().paused == 0:
+                assert not other.done(), "the other stream ended before the unread one was paused"
+                await asyncio.sleep(0.001)
+            paused_at = engine.state().steps
+            while engine.state().steps < paused_at + 20:  # steps go on without it
+                await asyncio.sleep(0.001)
+            events = [e async for e in idle]
+            return events, await other
+
+        events, other = _run(scenario())
+    steps = [e.step for e in events]
+    assert max(b - a for a, b in itertools.pairwise(steps)) >= 20, "no gap: it was fed while paused"
+    assert _ids(events) == alone and events[-1].usage.completion_tokens == 200
+    assert other[-1].usage.completion_tokens == 200

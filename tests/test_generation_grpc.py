@@ -16,6 +16,7 @@ import httpx
 import pytest
 from conftest import export_tiny_decoder, export_tiny_model
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus import series_total
 
 from benchmarks.harness.server import ServerProcess
 from contract.rpc import generate
@@ -26,6 +27,7 @@ from service.dataplane import DataPlane
 from service.generate import GenerationSettings, SchedulerState
 from service.generating import ColocatedDecoder
 from service.local.ports import free_port
+from service.rpc.rpcs import GENERATION, INFERENCE
 from service.rpc.server import GrpcServer
 
 LM = "lm-h4-kv1-d32"  # the tiny decoder: context 64
@@ -147,6 +149,22 @@ def test_refusals_are_grpc_statuses_with_the_http_errors_message(stub, http):
     assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not both" in failed.value.details()
 
 
+def test_bytes_that_are_not_the_rpcs_message_are_invalid_argument_naming_the_message_not_unknown(server):
+    """Decoded by gRPC itself, they were UNKNOWN with a Python DecodeError; the same for every RPC, streamed or not."""
+    malformed = b"\x0a\x7fab"  # field 1 announces 127 bytes and holds 2
+    with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+        streamed = channel.unary_stream(f"/{GENERATION}/ModelGenerate")
+        unary = channel.unary_unary(f"/{INFERENCE}/ModelInfer")
+        for name, call in (
+            ("ModelGenerateRequest", lambda: list(streamed(malformed, timeout=30))),
+            ("ModelInferRequest", lambda: unary(malformed, timeout=30)),
+        ):
+            with pytest.raises(grpc.RpcError) as failed:
+                call()
+            assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT, failed.value
+            assert failed.value.details().startswith("malformed request message: ") and name in failed.value.details()
+
+
 def test_grpc_health_answers_for_the_generation_service(server):
     with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
         request = health_pb2.HealthCheckRequest(service="mha.generation.GenerationService")
@@ -216,15 +234,6 @@ def test_a_call_past_its_deadline_mid_stream_leaves_the_running_batch_within_a_f
     assert after.steps - ended.steps < KV_TOKENS // 8, "the sequence ran on past its call's deadline"
 
 
-def _series(text: str, name: str, **labels: str) -> float:
-    """The sum of `name`'s samples whose labels include `labels`."""
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 def test_calls_are_counted_under_the_grpc_generate_endpoint_and_a_cancelled_one_as_499(server, stub):
     """After the tests above (answered and refused calls), a call cancelled mid-stream."""
     cancelled = stub.ModelGenerate(_long(KV_TOKENS - 1), timeout=60)
@@ -236,7 +245,7 @@ def test_calls_are_counted_under_the_grpc_generate_endpoint_and_a_cancelled_one_
     while time.monotonic() < deadline:
         text = httpx.get(url, timeout=10).text
         counts = {
-            code: _series(text, "ray_mha_requests_total", model=model, endpoint="grpc_generate", code=code)
+            code: series_total(text, "ray_mha_requests_total", model=model, endpoint="grpc_generate", code=code)
             for code, model in codes.items()
         }
         if all(counts.values()):

@@ -12,6 +12,8 @@ from service.errors import BadRequestError, SamplingParamsError
 from service.generate import EOS, LENGTH, STOP, SamplingParams
 from service.generate.output import TextOutput
 from service.generate.sampling import sample
+from service.protocol import generate as oip
+from service.protocol import openai
 
 BAD = {
     "max_tokens 0": ({"max_tokens": 0}, "max_tokens=0 must be an integer >= 1"),
@@ -45,6 +47,24 @@ def test_a_stop_given_as_a_string_or_a_list_is_kept_as_a_tuple():
     assert SamplingParams(temperature=0).greedy and not SamplingParams().greedy
 
 
+def test_no_stop_given_is_null_and_a_lone_empty_stop_string_is_a_400_as_a_list_holding_one_is():
+    assert SamplingParams(stop=None).stop == ()
+    for stop in ("", [""]):
+        with pytest.raises(SamplingParamsError, match="stop string '' has 0 characters"):
+            SamplingParams(stop=stop)
+
+
+@pytest.mark.parametrize("wire", ["openai", "oip"])
+def test_an_empty_stop_string_from_either_wire_format_is_a_400_not_dropped(wire):
+    """The wire formats pass `stop` as it came (null for none), so that a lone "" reaches SamplingParams."""
+    for stop in ("", [""]):
+        with pytest.raises(SamplingParamsError, match="stop string '' has 0 characters"):
+            if wire == "openai":
+                openai.to_request(openai.CompletionRequest(model="lm", prompt="hi", stop=stop))
+            else:
+                oip.to_request(oip.GenerateBody(text_input="hi", parameters={"stop": stop}))
+
+
 def _logits(rows: int = 3, vocab: int = 50, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).normal(0, 3, (rows, vocab)).astype(np.float32)  # (n, V)
 
@@ -63,6 +83,16 @@ def test_top_k_1_and_a_tiny_top_p_are_greedy_at_any_temperature():
     for params in (SamplingParams(temperature=5.0, top_k=1), SamplingParams(temperature=5.0, top_p=1e-6)):
         rows = [params] * 3
         assert sample(logits, rows, [params.generator() for _ in rows]).tolist() == logits.argmax(axis=1).tolist()
+
+
+@pytest.mark.parametrize("temperature", [1e-308, 5e-324])
+def test_a_vanishing_temperature_gives_the_greedy_tokens_on_every_row(temperature):
+    """logits / temperature overflows float64 (to +-inf, then inf - inf = NaN probabilities) unless the max is taken
+    off first."""
+    logits = _logits(rows=8, vocab=300) * 10  # (8, 300): logits of +-30, far past what a 1e-308 divisor keeps finite
+    params = [SamplingParams(temperature=temperature, seed=row) for row in range(8)]
+    tokens = sample(logits, params, [p.generator() for p in params])
+    assert tokens.tolist() == logits.argmax(axis=1).tolist()
 
 
 def test_top_k_keeps_only_the_k_most_likely_tokens():

@@ -1,6 +1,7 @@
-"""The generation scheduler alone, step by step: admission in arrival order within the KV budget and the running limit
-(no overtaking, no preemption), leaving at once (cancelled, aborted, finished), the bounded wait (max_waiting,
-queue_timeout_s), drain and close."""
+"""The generation scheduler alone, step by step: admission in arrival order within the KV budget (rows held x the width
+they may reach) and the running limit (no overtaking), rows charged until the step runner drops them, leaving at once
+(cancelled, aborted, finished), pausing and resuming, the bounded wait (max_waiting, queue_timeout_s), drain and
+close."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from contract.decoder_metadata import DecoderMetadata
 from contract.tokenizer import EOS_ID
 from service.errors import ModelQueueFullError, NotReadyError
 from service.generate import ABORT, CANCELLED, GenerationSettings, SamplingParams
+from service.generate.kv_cache import LEAVE_SLACK
 from service.generate.output import TextOutput
 from service.generate.scheduler import Limits, Scheduler
 from service.generate.sequence import Sequence
@@ -19,11 +21,14 @@ from service.generate.sequence import Sequence
 
 def _seq(prompt: int, max_tokens: int) -> Sequence:
     params = SamplingParams(max_tokens=max_tokens)
-    return Sequence(tuple(range(prompt)), params, TextOutput(params, EOS_ID, True), asyncio.Queue())
+    return Sequence(tuple(range(prompt)), params, TextOutput(params, EOS_ID, True))
 
 
 def _scheduler(budget: int = 100, running: int = 8, waiting: int = 8, timeout_s: float = 60.0) -> Scheduler:
-    return Scheduler("lm-test", Limits(budget, running, waiting, timeout_s))
+    return Scheduler("lm-test", Limits(budget, MAX_LEN, running, waiting, timeout_s))
+
+
+MAX_LEN = 1000  # wider than any test's rows: a row is charged its final length + LEAVE_SLACK
 
 
 def _in_loop(body):
@@ -33,21 +38,79 @@ def _in_loop(body):
     asyncio.run(run())
 
 
-def test_sequences_are_admitted_in_arrival_order_within_the_kv_budget_and_freed_when_they_finish():
+def test_sequences_are_admitted_in_arrival_order_charged_rows_times_width_until_their_rows_are_dropped():
     def body():
-        scheduler = _scheduler(budget=100)
-        a, b, c = _seq(10, 50), _seq(10, 40), _seq(1, 9)  # 60, 50, 10 tokens
-        for seq in (a, b, c):
+        assert LEAVE_SLACK == 16  # the arithmetic below
+        scheduler = _scheduler(budget=200)
+        a, b, c, d = _seq(10, 50), _seq(10, 40), _seq(1, 9), _seq(1, 1)  # they end at 60, 50, 10, 2 tokens
+        for seq in (a, b, c, d):
             scheduler.add(seq)
         plan = scheduler.schedule()
-        assert plan.prefill == (a,) and plan.decode == ()  # b does not fit, and c does not overtake it
+        # a and b: 2 rows x (60 + 16) = 152; with c, 3 x 76 = 228 > 200: c waits, and d does not overtake it
+        assert plan.prefill == (a, b) and plan.decode == ()
         state = scheduler.state()
-        assert (state.running, state.waiting, state.kv_reserved_tokens, state.kv_budget_tokens) == (1, 2, 60, 100)
-        assert scheduler.schedule().decode == (a,)
-        scheduler.finish([a])
+        assert (state.running, state.waiting, state.kv_reserved_tokens, state.kv_budget_tokens) == (2, 2, 152, 200)
+        scheduler.update([a], [], 0)  # a finished: its row is still in the cache, so still charged
+        assert scheduler.state().kv_reserved_tokens == 152
+        plan = scheduler.schedule()  # without a's row, b, c and d are 3 x 66
+        assert plan.prefill == (c, d) and plan.decode == (b,) and plan.drop_left
+        scheduler.update([], [a], 0)  # the step runner dropped a's row
+        assert scheduler.state().kv_reserved_tokens == 3 * 66
+
+    _in_loop(body)
+
+
+def test_a_step_is_asked_to_drop_the_rows_that_left_when_they_would_keep_a_waiting_sequence_out():
+    def body():
+        scheduler = _scheduler(budget=100)
+        a, b = _seq(10, 50), _seq(10, 50)  # 76 each: one at a time
+        scheduler.add(a)
+        assert scheduler.schedule().prefill == (a,)
+        scheduler.update([a], [], 0)
+        scheduler.add(b)
         plan = scheduler.schedule()
-        assert plan.prefill == (b, c) and plan.decode == ()
-        assert scheduler.state().kv_reserved_tokens == 60
+        assert plan.prefill == (b,) and plan.drop_left  # a's row goes before b's joins, in the same step
+        scheduler.update([], [a], 0)
+        assert scheduler.state().kv_reserved_tokens == 76 and not scheduler.schedule().drop_left
+
+    _in_loop(body)
+
+
+def test_a_paused_sequence_leaves_the_batch_and_resumes_first_in_the_queue():
+    def body():
+        scheduler = _scheduler(budget=200)
+        a, b, c, d = _seq(10, 50), _seq(10, 50), _seq(10, 50), _seq(10, 50)  # 76 each: two at a time
+        for seq in (a, b, c):
+            scheduler.add(seq)
+        assert scheduler.schedule().prefill == (a, b)
+        scheduler.pause(a)
+        state = scheduler.state()
+        assert (state.running, state.paused, state.kv_reserved_tokens) == (1, 1, 152)  # a's row is not dropped yet
+        plan = scheduler.schedule()
+        assert plan.decode == (b,) and plan.prefill == (c,) and plan.drop_left  # a's room goes to c
+        scheduler.update([], [a], 0)
+        a.started = 1.0  # its prefill had run: a resumed sequence never expires in the queue
+        scheduler.add(d)
+        scheduler.resume(a)
+        scheduler.resume(a)  # once only
+        assert scheduler.state().waiting == 2 and scheduler.schedule().prefill == ()
+        scheduler.update([b], [], 0)
+        plan = scheduler.schedule()
+        assert plan.prefill == (a,) and plan.decode == (c,) and scheduler.state().paused == 0  # before d
+
+    _in_loop(body)
+
+
+def test_a_paused_sequence_that_is_cancelled_leaves_with_its_last_event():
+    def body():
+        scheduler = _scheduler(budget=200)
+        a = _seq(10, 50)
+        scheduler.add(a)
+        scheduler.schedule()
+        scheduler.pause(a)
+        scheduler.stop(a, CANCELLED)
+        plan = scheduler.schedule()
+        assert plan.left == (a,) and scheduler.state().paused == 0
 
     _in_loop(body)
 
@@ -64,9 +127,9 @@ def test_the_running_limit_bounds_a_step_whatever_the_budget():
     _in_loop(body)
 
 
-def test_cancelled_and_aborted_sequences_leave_at_the_next_step_with_their_reservation():
+def test_cancelled_and_aborted_sequences_leave_at_the_next_step_and_their_rows_free_the_budget_when_dropped():
     def body():
-        scheduler = _scheduler(budget=100)
+        scheduler = _scheduler(budget=112)  # two rows of 40 + 16
         a, b, c = _seq(10, 30), _seq(10, 30), _seq(10, 30)
         for seq in (a, b, c):
             scheduler.add(seq)
@@ -77,7 +140,9 @@ def test_cancelled_and_aborted_sequences_leave_at_the_next_step_with_their_reser
         assert set(plan.left) == {a, c} and plan.decode == (b,) and plan.prefill == ()
         assert (a.stop_reason, c.stop_reason) == (CANCELLED, ABORT)
         state = scheduler.state()
-        assert (state.running, state.waiting, state.kv_reserved_tokens) == (1, 0, 40)
+        assert (state.running, state.waiting, state.kv_reserved_tokens) == (1, 0, 2 * 56)  # a's row is held
+        scheduler.update([], [a], 0)
+        assert scheduler.state().kv_reserved_tokens == 56
         scheduler.stop(a, ABORT)  # already gone: nothing changes
         assert a.stop_reason == CANCELLED and scheduler.schedule().left == ()
 
@@ -97,7 +162,7 @@ def test_past_max_waiting_a_submission_is_refused_at_once():
 
 def test_a_sequence_waiting_past_queue_timeout_expires_but_one_that_can_start_does():
     def body():
-        scheduler = _scheduler(budget=100, timeout_s=0.0)  # every waiting sequence is past its time at once
+        scheduler = _scheduler(budget=110, timeout_s=0.0)  # every waiting sequence is past its time at once
         a, b = _seq(10, 80), _seq(10, 80)
         scheduler.add(a)
         scheduler.add(b)
@@ -110,7 +175,7 @@ def test_a_sequence_waiting_past_queue_timeout_expires_but_one_that_can_start_do
 
 def test_drain_refuses_new_sequences_but_runs_the_queued_ones_and_close_aborts_the_rest():
     def body():
-        scheduler = _scheduler(budget=100)
+        scheduler = _scheduler(budget=110)  # one row of 90 + 16
         a, b = _seq(10, 80), _seq(10, 80)
         scheduler.add(a)
         scheduler.add(b)
@@ -121,19 +186,23 @@ def test_drain_refuses_new_sequences_but_runs_the_queued_ones_and_close_aborts_t
         scheduler.abort_all(close=True)
         plan = scheduler.schedule()
         assert set(plan.left) == {a, b} and {a.stop_reason, b.stop_reason} == {ABORT}
+        assert scheduler.schedule().decode == ()  # one more step, to drop a's row
+        scheduler.update([], [a], 0)
         assert scheduler.schedule() is None
         assert scheduler.state().draining
 
     _in_loop(body)
 
 
-def test_a_kv_budget_that_cannot_hold_one_context_is_refused_naming_the_numbers():
-    meta = DecoderMetadata("lm-h8-kv8-d512", 8, 8, 64, 512, 4, 260, 128, 1, 2, 0)  # 16 KiB a token
-    assert GenerationSettings().kv_budget_tokens(meta) == 4096
-    assert GenerationSettings(kv_cache_tokens=128).limits(meta).kv_budget_tokens == 128
-    with pytest.raises(ValueError, match=r"kv_cache_mb=1 \(64 tokens at 16384 bytes a token\) cannot hold"):
-        GenerationSettings(kv_cache_mb=1).kv_budget_tokens(meta)
-    with pytest.raises(ValueError, match="at least 2 MiB or 128 tokens"):
+def test_the_kv_budget_buys_tokens_at_two_copies_of_the_served_precision_and_must_hold_one_context():
+    meta = DecoderMetadata("lm-h8-kv8-d512", 8, 8, 64, 512, 4, 260, 128, 1, 2, 0)  # 16 KiB a token in float32
+    assert GenerationSettings().kv_budget_tokens(meta) == 128 * 2**20 // (2 * 16384) == 4096
+    assert GenerationSettings(kv_cache_mb=64).kv_budget_tokens(meta, itemsize=2) == 4096  # fp16: half a token
+    limits = GenerationSettings(kv_cache_tokens=128).limits(meta)
+    assert (limits.kv_budget_tokens, limits.kv_budget_bytes, limits.max_len) == (128, 2 * 128 * 16384, 128)
+    with pytest.raises(ValueError, match=r"kv_cache_mb=2 \(64 tokens at 2 x 16384 bytes a token\) cannot hold"):
+        GenerationSettings(kv_cache_mb=2).kv_budget_tokens(meta)
+    with pytest.raises(ValueError, match="at least 4 MiB or 128 tokens"):
         GenerationSettings(kv_cache_tokens=127).kv_budget_tokens(meta)
     with pytest.raises(ValueError, match="max_running=0 must be an integer >= 1; queue_timeout_s=-1"):
         GenerationSettings(max_running=0, queue_timeout_s=-1)

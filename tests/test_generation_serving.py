@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 from conftest import export_tiny_decoder, export_tiny_model
+from prometheus import series_total
 
 from benchmarks.harness.server import ServerProcess
 from service.config import AppConfig
@@ -195,15 +196,6 @@ def test_a_decoder_that_cannot_load_is_served_as_not_ready_saying_why(server):
     placement.close()
 
 
-def _series(text: str, name: str, **labels: str) -> float:
-    """The sum of `name`'s samples whose labels include `labels`."""
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 def test_the_generation_metrics_carry_the_kv_heads_and_count_the_disconnect(server):
     """After the tests above: time to first token, inter-token latency and tokens per decoder, and the request
     whose client went away counted as 499."""
@@ -217,10 +209,10 @@ def test_the_generation_metrics_carry_the_kv_heads_and_count_the_disconnect(serv
     }
     while time.monotonic() < deadline:
         text = httpx.get(url, timeout=10).text
-        if all(_series(text, name, **labels) > 0 for name, labels in wanted.items()):
+        if all(series_total(text, name, **labels) > 0 for name, labels in wanted.items()):
             break
         time.sleep(1)
     for name, labels in wanted.items():
-        assert _series(text, name, **labels) > 0, (name, labels, re.findall(rf"^{name}.*$", text, re.M)[:5])
+        assert series_total(text, name, **labels) > 0, (name, labels, re.findall(rf"^{name}.*$", text, re.M)[:5])
     # the whole completion, the few tokens of the one cancelled, the 8 after it: far from two whole ones
-    assert KV_TOKENS - 1 <= _series(text, "ray_mha_generation_tokens_total", model=LONG) < 2 * (KV_TOKENS - 1)
+    assert KV_TOKENS - 1 <= series_total(text, "ray_mha_generation_tokens_total", model=LONG) < 2 * (KV_TOKENS - 1)

@@ -2,8 +2,10 @@
 loopback: heads over the limits refused as they arrive, slow heads and silent connections cut at header_timeout_s,
 pipelined heads measured from their own first byte and refused after the answers before them, idle keep-alive
 bounded, connections over the cap refused, each counted; a request cancelled when its client leaves, requests in
-progress counted from their head, the replica's signals left alone; a response's writes coalesced into one send.
-Each test fails when the adapter's hook into uvicorn stops engaging. The whole service: tests/test_reliability.py
+progress counted from their head, the replica's signals left alone; a response's writes coalesced into one send, yet
+written at once past FLUSH_BYTES so that a client that reads nothing holds back the application's sends; each
+request's arrival noted and an abort offered in its scope; refusals under /openai/ in OpenAI's error shape. Each test
+fails when the adapter's hook into uvicorn stops engaging. The whole service: tests/test_reliability.py
 and tests/test_slow_heads.py."""
 
 from __future__ import annotations
@@ -11,13 +13,16 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import logging
 import signal
+import socket
 import time
 
 from service.config import RequestLimits
-from service.http.coalesced_writes import CoalescedWrites
+from service.http.coalesced_writes import FLUSH_BYTES, CoalescedWrites
+from service.http.limits import RequestLimitsMiddleware
 from service.http.server import HttpServer
-from service.http.uvicorn_adapter import STOP_IDLE_S
+from service.http.uvicorn_adapter import ABORT, ARRIVED, STOP_IDLE_S
 from service.local.ports import free_port
 
 LIMITS = RequestLimits(max_header_bytes=1024, max_headers=8, max_body_bytes=1024)
@@ -29,7 +34,7 @@ class RecordingTransport(asyncio.Transport):
     def __init__(self) -> None:
         super().__init__()
         self.sends: list[bytes] = []
-        self.closed = self.eof = False
+        self.closed = self.eof = self.aborted = False
 
     def write(self, data: bytes) -> None:
         assert not self.closed, "written after close"
@@ -46,6 +51,9 @@ class RecordingTransport(asyncio.Transport):
 
     def write_eof(self) -> None:
         self.eof = True
+
+    def abort(self) -> None:
+        self.closed = self.aborted = True
 
 
 def test_a_head_and_body_written_in_one_loop_turn_leave_in_one_send():
@@ -456,3 +464,135 @@ def test_a_stop_answers_the_next_request_on_a_kept_alive_connection_with_connect
     print(f"\nan idle connection closed {idle_s:.2f} s after its last request")
     assert answer.startswith(b"HTTP/1.1 200") and b"connection: close" in answer.lower() and answer.endswith(b"{}")
     assert idle == b"" and idle_s >= STOP_IDLE_S and refused
+
+
+def test_pending_bytes_past_flush_bytes_are_written_at_once_and_the_rest_at_the_end_of_the_turn():
+    async def respond() -> tuple[list[bytes], list[bytes]]:
+        sent = RecordingTransport()
+        writes = CoalescedWrites(sent, asyncio.get_running_loop(), lambda: False)
+        writes.write(b"h" * 100)
+        writes.write(b"x" * FLUSH_BYTES)  # past the bound: written within this turn, where the transport may pause
+        within_the_turn = list(sent.sends)
+        writes.write(b"tail")
+        await asyncio.sleep(0)
+        return within_the_turn, sent.sends
+
+    within_the_turn, sends = asyncio.run(respond())
+    assert within_the_turn == [b"h" * 100 + b"x" * FLUSH_BYTES] and sends == [*within_the_turn, b"tail"]
+
+
+def test_an_abort_drops_what_is_pending_and_aborts_the_transport():
+    async def abort() -> RecordingTransport:
+        sent = RecordingTransport()
+        writes = CoalescedWrites(sent, asyncio.get_running_loop(), lambda: False)
+        writes.write(b"never sent")
+        writes.abort()
+        await asyncio.sleep(0)  # the turn's scheduled flush: nothing left
+        return sent
+
+    sent = asyncio.run(abort())
+    assert sent.aborted and sent.sends == []
+
+
+def _tcp_state(sock: socket.socket) -> int:
+    """The socket's TCP state (struct tcp_info's first byte): 1 ESTABLISHED, 7 CLOSE (reset), 8 CLOSE_WAIT (EOF)."""
+    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)[0]
+
+
+async def _never_reading(port: int, request: bytes) -> socket.socket:
+    """A client that sends `request` and reads nothing: a 4 KiB receive buffer, so the server's bytes pile up on the
+    server's side."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: the window it advertises
+    sock.setblocking(False)
+    loop = asyncio.get_running_loop()
+    await loop.sock_connect(sock, ("127.0.0.1", port))
+    await loop.sock_sendall(sock, request)
+    return sock
+
+
+def test_a_client_that_reads_nothing_holds_back_the_applications_sends_within_a_loop_turn():
+    """uvicorn's flow control (the transport pauses the protocol, the next send waits for the client) engages as the
+    bytes are written: a stream whose chunks are all ready is not buffered whole for a client that reads nothing, as
+    it was when every write waited for the end of the loop turn. What the kernel's send buffer takes (tcp_wmem's
+    maximum) and a chunk or two are sent before a send waits."""
+    chunk, chunks = 1 << 20, 64
+
+    async def scenario() -> int:
+        sent = 0
+
+        async def app(scope, receive, send) -> None:
+            nonlocal sent
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            for _ in range(chunks):
+                await send({"type": "http.response.body", "body": b"x" * chunk, "more_body": True})
+                sent += 1
+            await send({"type": "http.response.body", "body": b""})
+
+        _, port = await _serve(app)
+        client = await _never_reading(port, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        await asyncio.sleep(1.0)
+        client.close()
+        return sent
+
+    sent = asyncio.run(scenario())
+    with open("/proc/sys/net/ipv4/tcp_wmem") as f:
+        kernel_max = int(f.read().split()[2])
+    print(f"\n{sent} of {chunks} chunks of {chunk >> 20} MiB sent to a client that reads nothing")
+    assert sent * chunk <= kernel_max + 2 * chunk, sent
+
+
+def test_the_scope_notes_when_the_head_began_to_arrive_and_abort_closes_the_connection_at_once(caplog):
+    """ARRIVED is the time of the request's first byte, however long its head takes; ABORT resets the connection of
+    a client that reads nothing, whatever is buffered for it (a close would wait for it to read it all), without
+    uvicorn's error for an unfinished answer."""
+
+    async def scenario() -> tuple[float, dict[str, float], float, int]:
+        seen: dict[str, float] = {}
+
+        async def app(scope, receive, send) -> None:
+            seen["arrived"], seen["app"] = scope[ARRIVED], time.perf_counter()
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"x" * (8 << 20), "more_body": True})
+            seen["aborted"] = time.perf_counter()
+            scope[ABORT]()
+
+        _, port = await _serve(app)
+        began = time.perf_counter()
+        client = await _never_reading(port, b"GET / HTTP/1.1\r\nX-Slow: ")
+        await asyncio.sleep(0.3)
+        await asyncio.get_running_loop().sock_sendall(client, b"v\r\n\r\n")
+        while "aborted" not in seen or (_tcp_state(client) == 1 and time.perf_counter() - seen["aborted"] < 2):
+            await asyncio.sleep(0.01)
+        closed_s, state = time.perf_counter() - seen["aborted"], _tcp_state(client)
+        client.close()
+        return began, seen, closed_s, state
+
+    with caplog.at_level(logging.ERROR):
+        began, seen, closed_s, state = asyncio.run(asyncio.wait_for(scenario(), 20))
+    assert began <= seen["arrived"] and seen["app"] - seen["arrived"] >= 0.3, seen  # the head's first byte
+    assert state == 7 and closed_s < 1.5, (state, closed_s)  # reset: a close would wait on the unread bytes for good
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.records
+
+
+def test_a_413_under_openai_is_openais_error_object_whoever_refuses_it():
+    """The adapter refuses an `Expect: 100-continue` over the limit, the limits middleware a body announced over it
+    (the application's stack, and Serve's proxy's); elsewhere the error stays `{"error": "..."}`."""
+
+    async def scenario() -> list[bytes]:
+        _, port = await _serve(RequestLimitsMiddleware(_ok, LIMITS))
+        answers = []
+        for path, expect in (("/openai/v1/completions", True), ("/openai/v1/completions", False), ("/v2/x", False)):
+            head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 5000\r\n"
+            answers.append(
+                await _exchange(port, (head + ("Expect: 100-continue\r\n" if expect else "") + "\r\n").encode())
+            )
+        return answers
+
+    answers = asyncio.run(scenario())
+    assert all(a.startswith(b"HTTP/1.1 413") for a in answers), answers
+    expected, announced, elsewhere = (json.loads(a.partition(b"\r\n\r\n")[2]) for a in answers)
+    message = "request body of 5000 bytes is over the limit of 1024 bytes"
+    for error in (expected, announced):
+        assert error == {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": 413}}
+    assert elsewhere == {"error": message}

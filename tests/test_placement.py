@@ -13,7 +13,10 @@ from contract.metadata import ModelMetadata
 from service.app import ingress_gpus
 from service.batching import BatchPolicy
 from service.config import AppConfig, default_processes
+from service.deployment import REFUSING_SLOTS, decoder_limits
 from service.engine import LIGHT_MODEL_FLOPS, EngineSettings, flops_per_token
+from service.generate import GenerationSettings
+from service.limits import RequestLimits
 from service.local.launcher import cpus_needed
 
 NAMES = ["mha-h2-d32", "mha-h4-d32"]
@@ -69,6 +72,20 @@ def test_serving_processes_with_co_located_gpu_models_get_a_share_of_the_gpus(in
 def test_serving_processes_without_a_co_located_gpu_model_get_no_gpu():
     config = AppConfig(backend="cpu", ingress={"port": 8000, "processes": 2})
     assert ingress_gpus(config, ["mha-h2-d32"], cluster_gpus=2) == 0.0
+
+
+def test_a_decoders_replica_holds_what_its_engine_holds_and_takes_a_few_more_for_its_engine_to_refuse():
+    """Serve's queue is never where a decoder's request waits: its engine's queue is (queue_timeout_s, the gauge)."""
+    limits = decoder_limits(GenerationSettings(max_running=32, max_waiting=100))
+    assert limits == {"max_ongoing_requests": 132 + REFUSING_SLOTS, "max_queued_requests": 132}
+
+
+def test_generations_share_of_the_in_flight_limit_is_three_quarters_by_default_and_at_most_all_of_it():
+    assert RequestLimits().generation_in_flight == 768 and RequestLimits(max_in_flight=300).generation_in_flight == 225
+    assert RequestLimits(max_in_flight=1).generation_in_flight == 1
+    assert AppConfig(limits={"max_in_flight": 300, "max_generation_in_flight": 300}).limits.generation_in_flight == 300
+    with pytest.raises(ValidationError, match="max_generation_in_flight"):
+        AppConfig(limits={"max_in_flight": 300, "max_generation_in_flight": 301})
 
 
 def test_an_unknown_placement_is_refused():

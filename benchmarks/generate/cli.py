@@ -23,9 +23,10 @@ from benchmarks.generate.plain_server import PlainGenerateServer
 from benchmarks.generate.report import SYSTEMS, bars, label, rows, run, table
 from benchmarks.harness.server import ServerProcess
 from benchmarks.serving.rounds import Side, rounds
+from contract.decoder_metadata import DecoderMetadata
 from contract.metadata import MODEL_FILE, config_name
 from service.generate.session import load_decoder
-from service.generate.settings import MIB
+from service.generate.settings import kv_cache_mb_for
 
 FULL = {"rounds": 3, "concurrency": [1, 4, 16, 32], "prompt_tokens": [32, 256], "output_tokens": 64, "requests": 2}
 QUICK = {"rounds": 1, "concurrency": [1, 2], "prompt_tokens": [8], "output_tokens": 8, "requests": 1}
@@ -86,12 +87,12 @@ def ensure_decoder(args: argparse.Namespace) -> str:
     return name
 
 
-def serve_config(args: argparse.Namespace, name: str, kv_bytes_per_token: int) -> dict:
-    """`mha-serving serve`'s defaults, with a KV budget that admits every client's prompt + output tokens at once
-    (the budget reserves that per sequence) and every client in one decoding step."""
-    tokens = max(args.concurrency) * (max(args.prompt_tokens) + args.output_tokens)
+def serve_config(args: argparse.Namespace, name: str, meta: DecoderMetadata) -> dict:
+    """`mha-serving serve`'s defaults, with a KV budget that runs every client's prompt + output tokens at once
+    and every client in one decoding step."""
+    final = max(args.prompt_tokens) + args.output_tokens
     generate = {"threads": args.threads, "max_running": max(32, max(args.concurrency))}
-    generate["kv_cache_mb"] = max(64.0, tokens * kv_bytes_per_token / MIB * 1.1)
+    generate["kv_cache_mb"] = max(128.0, kv_cache_mb_for(meta, max(args.concurrency), final) * 1.1)
     models_dir = str(args.models.resolve())
     return {"models_dir": models_dir, "models": [name], "backend": args.backend, "generate": generate}
 
@@ -120,14 +121,14 @@ def measure(args: argparse.Namespace) -> dict:
     name = ensure_decoder(args)
     runtime = load_decoder(args.models, name, args.backend, args.threads)
     given = prompts(runtime.meta.vocab_size, args.prompt_tokens, max(args.concurrency))
-    kv = runtime.meta.kv_bytes_per_token
+    meta = runtime.meta
     with contextlib.ExitStack() as stack:
         systems: dict[str, tuple] = {}
         if "served" in args.systems:
-            server = stack.enter_context(ServerProcess(serve_config(args, name, kv)))
+            server = stack.enter_context(ServerProcess(serve_config(args, name, meta)))
             systems["served"] = (partial(client.served, server.port, name), server)
         if args.versus is not None:
-            before = stack.enter_context(ServerProcess(serve_config(args, name, kv), tree=args.versus.resolve()))
+            before = stack.enter_context(ServerProcess(serve_config(args, name, meta), tree=args.versus.resolve()))
             systems["before"] = (partial(client.served, before.port, name), before)
         if "bare" in args.systems:
             systems["bare"] = (partial(loops.bare_loop, runtime), None)

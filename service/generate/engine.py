@@ -10,7 +10,10 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from service.errors import GenerationFailedError, QueueTimeoutError, SamplingParamsError
+import numpy as np
+
+from service import heap_trim
+from service.errors import GenerationFailedError, QueueTimeoutError
 from service.generate.output import CANCELLED, TextOutput
 from service.generate.request import GenerateRequest, TokenEvent
 from service.generate.runner import StepRunner
@@ -33,7 +36,8 @@ class GenerationEngine:
     def __init__(self, runtime: DecoderRuntime, settings: GenerationSettings) -> None:
         self.runtime, self.meta, self.settings = runtime, runtime.meta, settings
         self.name = runtime.meta.name
-        self._scheduler = Scheduler(self.name, settings.limits(runtime.meta))
+        itemsize = np.dtype(runtime.cache_dtype).itemsize
+        self._scheduler = Scheduler(self.name, settings.limits(runtime.meta, itemsize))
         self._runner = StepRunner(runtime, settings.io_binding, settings.prefill_chunk)
         self._thread = threading.Thread(target=self._loop, name=f"{RUNS}{self.name}", daemon=True)
         self._thread.start()
@@ -49,15 +53,12 @@ class GenerationEngine:
         """Queue `request` and return its stream at once. Raises, with nothing queued: PromptError, ContextLengthError,
         SamplingParamsError (400); ModelQueueFullError (503, Retry-After); NotReadyError (503: draining or closed).
         Call it on the event loop that will read the stream."""
-        prompt = request.token_ids(self.meta)
-        if request.params.stop and not self.meta.takes_text:
-            raise SamplingParamsError(
-                f"stop strings cannot be found: model {self.name!r} makes token ids, no text ({self.meta.tokenizer!r})"
-            )
+        prompt = request.checked(self.meta)
         output = TextOutput(request.params, self.meta.eos_id, self.meta.takes_text)
-        seq = Sequence(prompt, request.params, output, asyncio.Queue())
+        seq = Sequence(prompt, request.params, output, arrived=request.arrived)
+        stream = TokenStream(seq, self._scheduler)
         self._scheduler.add(seq)
-        return TokenStream(seq, self._scheduler.stop)
+        return stream
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
         """`submit`, then its events; the sequence ends when the consumer stops (breaks, aclose, task cancelled)."""
@@ -91,15 +92,18 @@ class GenerationEngine:
 
     def _busy(self) -> bool:
         state = self._scheduler.state()
-        return bool(state.running or state.waiting)
+        return bool(state.running or state.waiting or state.paused)
 
     def _loop(self) -> None:
         name_thread(f"{RUNS}{self.name}")
         while (plan := self._scheduler.schedule()) is not None:
             try:
-                self._update(plan, self._runner.execute(plan))
+                tokens = self._runner.execute(plan)
+                self._update(plan, tokens)
             except Exception as exc:  # ORT failed (or a bug): this step's sequences end with it, the engine goes on
                 self._fail(plan, exc)
+            if not self._runner.peak_bytes and not self._busy():  # it holds nothing now: its cache's pages go back
+                heap_trim.trim()
 
     def _update(self, plan: Schedule, tokens: list[tuple[Sequence, int]]) -> None:
         """Each sequence's new token through its output processor into an event; finished ones leave."""
@@ -107,17 +111,18 @@ class GenerationEngine:
         outbox, finished = self._ended(plan, now), []
         for seq, token in tokens:
             seq.next_input = token
+            seq.generated.append(token)
             delta = seq.output.add(token)
             outbox.append((seq, seq.event(plan.step, (token,), delta.text, now, delta.finish_reason)))
             if delta.finish_reason is not None:
                 finished.append(seq)
-        self._scheduler.finish(finished)
+        self._scheduler.update(finished, self._runner.released, self._runner.peak_bytes)
         _publish(outbox)
 
     def _fail(self, plan: Schedule, exc: Exception) -> None:
         self._runner.reset()  # the cache may be half-updated: every running sequence is in this plan and ends
         running = [*plan.decode, *plan.prefill]
-        self._scheduler.finish(running)
+        self._scheduler.update(running, [*running, *self._runner.released], 0)  # the cache is dropped whole
         error = GenerationFailedError(f"model {self.name!r}: a decoding step failed: {exc}")
         _publish(self._ended(plan, time.perf_counter()) + [(seq, error) for seq in running])
 
@@ -145,4 +150,4 @@ def _publish(outbox: Outbox) -> None:
 
 def _deliver(items: Outbox) -> None:
     for seq, item in items:
-        seq.sink.put_nowait(item)
+        seq.sink.put(item)

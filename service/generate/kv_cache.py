@@ -3,13 +3,18 @@ its own row, right-aligned (its cached tokens are the row's last `lengths[row]` 
 padding, masked out). The only module that knows that layout. A preallocated buffer written in place (TensorScatter)
 measured no faster on the CPU, since ORT's Attention reads a buffer's whole capacity (`benchmarks.kv_layout`). No torch.
 
-Where the copies are today (each a full copy of every layer's cache, hence the budget in tokens, not in rows):
+Where the copies are (each a full copy of every layer's cache):
   1. every decoding step: the graph concatenates past and the new token into `present` (inside ONNX Runtime);
   2. `join`: the running rows that stay and the new ones copied into arrays one prefill wider or taller;
   3. `keep`: rows that leave dropped and all-padding leading columns trimmed, in one copy. The step runner calls it
-     only when many rows have left and none join (a row that left rides along, unused, until the next join).
+     when many rows have left and none join, or when a row that left would widen the batch past its charge.
 With a `device` (ORT I/O binding, for the GPU) the past stays there as OrtValues between decoding steps; `join` and
 `keep`, which happen when sequences arrive or leave, go through the host.
+
+What the layout holds, and so what the scheduler charges (docs/serving.md, "The KV budget"): a batch of `rows` rows
+is never wider than `charged_width` of their final lengths, and a step holds at most COPIES such rectangles (copy 1's
+past and present, or a join's old and merged arrays), so its bytes are at most
+COPIES x rows x charged_width x bytes per token.
 """
 
 from __future__ import annotations
@@ -21,6 +26,27 @@ from contract.decoder_metadata import POSITION_IDS, DecoderMetadata
 from contract.metadata import ATTENTION_MASK, INPUT_IDS
 
 Past = list[np.ndarray] | list[ort.OrtValue]  # per layer, key then value: (B, kv_heads, W, head_dim)
+COPIES = 2  # rectangles a step holds at once: a decoding step's past and present, a join's old and merged arrays
+# Steps a row that left may ride along, unused, past the width its batch was charged for before a copy drops it: a
+# join (which drops it anyway) usually comes first, and a copy at every leave cost 9 % of the engine's thread.
+LEAVE_SLACK = 16
+
+
+def charged_width(finals: list[int], max_len: int) -> int:
+    """The widest the batch may grow, for rows whose sequences end at `finals` tokens (prompt + max_tokens) each:
+    the longest, plus LEAVE_SLACK for rows that left, within the context."""
+    return min(max(finals, default=0) + LEAVE_SLACK, max_len)
+
+
+def token_bytes(meta: DecoderMetadata, dtype: np.dtype) -> int:
+    """One cached token of one row: key and value, every layer, in the cache's dtype (fp16 halves it)."""
+    return 2 * meta.layers * meta.kv_heads * meta.head_dim * np.dtype(dtype).itemsize
+
+
+def nbytes(past: Past | dict) -> int:
+    """The bytes of a past (a list of arrays or OrtValues, or feeds by name)."""
+    values = past.values() if isinstance(past, dict) else past
+    return sum(int(v.tensor_size_in_bytes()) if isinstance(v, ort.OrtValue) else v.nbytes for v in values)
 
 
 class BatchCache:
@@ -33,6 +59,10 @@ class BatchCache:
         self.lengths = np.zeros(0, np.int64)  # (B,) tokens cached per row
         self.width = 0  # W
         self.past: Past = self._empty(0, 0)
+
+    @property
+    def nbytes(self) -> int:
+        return nbytes(self.past)
 
     def _empty_host(self, rows: int, width: int) -> list[np.ndarray]:
         kv, hd = self._shape

@@ -13,7 +13,7 @@ import onnxruntime as ort
 
 from contract.decoder_metadata import POSITION_IDS
 from contract.metadata import ATTENTION_MASK, INPUT_IDS
-from service.generate.kv_cache import BatchCache, Past
+from service.generate.kv_cache import BatchCache, Past, charged_width, nbytes
 from service.generate.sampling import sample
 from service.generate.scheduler import Schedule
 from service.generate.sequence import Sequence
@@ -25,7 +25,9 @@ SMALL_PREFILL = 128  # ...unless it is this small anyway
 
 
 class StepRunner:
-    """Owns the batch: which sequence is in which row of the KV cache."""
+    """Owns the batch: which sequence is in which row of the KV cache. After each `execute`, `released` holds the
+    sequences whose rows (or prompts not run) it dropped, and `peak_bytes` what the cache held at the step's peak
+    (0 when it holds nothing after it)."""
 
     def __init__(
         self,
@@ -39,64 +41,89 @@ class StepRunner:
         self._outputs = runtime.meta.output_names  # logits, then present.{i}.key|value
         self._cache = BatchCache(runtime.meta, np.dtype(runtime.cache_dtype), cache_device(runtime, io_binding))
         self._rows: list[Sequence | None] = []  # by row of the cache; None: a row whose sequence left
+        self._owners: list[Sequence] = []  # by row: whose row it is, left or not (what the scheduler charges)
         self._chunk = prefill_chunk
         self._max_len = runtime.meta.max_len
         self._admitted: deque[Sequence] = deque()  # admitted, in order, their prompts not run yet
         self._partial: tuple[Sequence, dict] | None = None  # a prompt part-run in chunks, and its past (1, kv, n, hs)
-
-    @property
-    def rows(self) -> int:
-        return len(self._rows)
+        self.released: list[Sequence] = []
+        self.peak_bytes = 0
 
     def execute(self, plan: Schedule) -> list[tuple[Sequence, int]]:
         """Every sequence of `plan.decode` and `plan.prefill` with its next token. Rows not in `plan.decode` left
-        (cancelled, aborted, or finished in the last step): they stay in the batch, unused, until the next prefill's
-        join drops them in the copy it makes anyway, or until half the rows are such (then one copy drops them):
-        a copy of the whole cache at every leave took 9 % of the engine's thread at c=16 (py-spy)."""
+        (cancelled, aborted, paused, or finished in the last step): they stay in the batch, unused, until the next
+        prefill's join drops them in the copy it makes anyway, until half the rows are such, until one would widen
+        the batch past its charge, or until the plan asks (then one copy drops them): a copy of the whole cache at
+        every leave took 9 % of the engine's thread at c=16 (py-spy)."""
+        self.released, self.peak_bytes = [], self._cache.nbytes
         staying = {seq.id for seq in plan.decode}  # the scheduler's running sequences: prompts not run included
         self._rows = [seq if seq is not None and seq.id in staying else None for seq in self._rows]
+        self._release([s for s in self._admitted if s.id not in staying])
         self._admitted = deque(s for s in self._admitted if s.id in staying)
         self._admitted.extend(plan.prefill)
         if self._partial is not None and self._partial[0].id not in staying:
+            self._release([self._partial[0]])
             self._partial = None
         left = self._rows.count(None)
         crowded = not self._admitted and not self._partial and 2 * left > len(self._rows)
-        if left == len(self._rows) or crowded or (left and self._outgrown()):
+        if left and (left == len(self._rows) or crowded or plan.drop_left or self._too_wide()):
             self._compact()
         tokens = self._decode() if self._rows else []
         if self._partial is not None:
             tokens += self._next_chunk(*self._partial)
         elif self._admitted:
             tokens += self._prefill()
+        if not self._rows and self._partial is None:  # it holds nothing now
+            self.peak_bytes = 0
         return tokens
 
     def reset(self) -> None:
         """Forget the batch and the prompts not run (after a failed run: the cache may be half-updated)."""
+        forgotten = [*self._owners, *self._admitted, *([self._partial[0]] if self._partial else [])]
         self._cache.clear()
-        self._rows, self._admitted, self._partial = [], deque(), None
+        self._rows, self._owners, self._admitted, self._partial = [], [], deque(), None
+        self._release(forgotten)
 
     def _budget(self) -> int:
         """Prompt tokens this step may run: a chunk while others decode (their next token waits for it), else all."""
         return self._chunk if self._rows else 1 << 62
 
-    def _outgrown(self) -> bool:
-        """Whether a row that left has reached the context length: riding along, it is fed one more position each
-        step, and the next would be past the position embeddings (and the cache wider than any sequence needs)."""
-        lengths = self._cache.lengths
-        return any(seq is None and lengths[r] >= self._max_len for r, seq in enumerate(self._rows))
+    def _too_wide(self) -> bool:
+        """Whether the next step would widen the batch past the width its rows were charged for: a row that left
+        rides along and is fed one more position each step, past its own end (and at last past the context)."""
+        return self._cache.width + 1 > charged_width([s.kv_tokens for s in self._owners], self._max_len)
 
     def _staying(self) -> list[int]:
         return [r for r, seq in enumerate(self._rows) if seq is not None]
 
     def _compact(self) -> None:
         rows = self._staying()
+        before = self._cache.nbytes
         self._cache.keep(rows)
-        self._rows = [self._rows[r] for r in rows]
+        self._note(before + self._cache.nbytes)  # the old arrays and the kept rows' copy
+        self._drop_left(rows)
+
+    def _drop_left(self, rows: list[int], joining: list[Sequence] | tuple = ()) -> None:
+        """Only these rows stay (in this order), then `joining`'s rows: the others' sequences are released."""
+        kept = set(rows)
+        dropped = [seq for r, seq in enumerate(self._owners) if r not in kept]
+        self._rows = [self._rows[r] for r in rows] + list(joining)
+        self._owners = [self._owners[r] for r in rows] + list(joining)
+        self._release(dropped)
+
+    def _release(self, seqs: list[Sequence]) -> None:
+        """These hold nothing here any more, unless a row of theirs stays (a resumed sequence's new one)."""
+        owners = {seq.id for seq in self._owners}
+        self.released += [seq for seq in seqs if seq.id not in owners]
+
+    def _note(self, held: int) -> None:
+        self.peak_bytes = max(self.peak_bytes, held)
 
     def _decode(self) -> list[tuple[Sequence, int]]:
         # a row that left is fed padding; its token is not sampled
         tokens = np.array([self._pad_id if seq is None else seq.next_input for seq in self._rows], np.int64)  # (B,)
         logits, present = self._run(self._cache.decode_feeds(tokens))  # (B, 1, V), (B, kv, W + 1, hs) per layer
+        self._note(self._cache.nbytes + nbytes(present) + self._partial_bytes())
         self._cache.advance(present)
         rows = self._staying()
         return self._sample([self._rows[r] for r in rows], logits[rows, -1])
@@ -106,23 +133,25 @@ class StepRunner:
         as the batch's rows are, with an empty past; a first prompt longer than the budget starts in chunks."""
         budget = self._budget()
         first = self._admitted[0]
-        if len(first.prompt) > budget:
+        if len(first.context) > budget:
             self._admitted.popleft()
-            first.started = time.perf_counter()
+            first.started = first.started or time.perf_counter()
             return self._next_chunk(first, self._cache.empty_feeds(1))
         seqs = self._batch(budget)
         now = time.perf_counter()
-        lengths = np.array([len(seq.prompt) for seq in seqs], np.int64)  # (n,)
+        contexts = [seq.context for seq in seqs]  # a resumed sequence recomputes its tokens so far too
+        lengths = np.array([len(c) for c in contexts], np.int64)  # (n,)
         width = int(lengths.max())
         ids = np.full((len(seqs), width), self._pad_id, np.int64)  # (n, P)
         mask = np.zeros((len(seqs), width), np.int64)  # (n, P)
-        for row, seq in enumerate(seqs):
-            seq.started = now
-            ids[row, width - len(seq.prompt) :] = seq.prompt
-            mask[row, width - len(seq.prompt) :] = 1
+        for row, (seq, context) in enumerate(zip(seqs, contexts, strict=True)):
+            seq.started = seq.started or now
+            ids[row, width - len(context) :] = context
+            mask[row, width - len(context) :] = 1
         positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)  # (n, P): 0 from each prompt's first token
         feeds = {INPUT_IDS: ids, ATTENTION_MASK: mask, POSITION_IDS: positions, **self._cache.empty_feeds(len(seqs))}
         logits, present = self._run(feeds)  # (n, P, V), (n, kv, P, hs) per layer
+        self._note(self._cache.nbytes + nbytes(present))
         self._join(seqs, present, lengths)
         return self._sample(seqs, logits[:, -1])  # the last column is every prompt's last token: right-aligned
 
@@ -131,9 +160,9 @@ class StepRunner:
         fits `budget` and is at most PAD_WASTE times their own tokens (or small), since a short prompt beside a long
         one costs as much as the long one."""
         seqs = [self._admitted.popleft()]
-        real = width = len(seqs[0].prompt)
+        real = width = len(seqs[0].context)
         while self._admitted:
-            n = len(self._admitted[0].prompt)
+            n = len(self._admitted[0].context)
             padded = (len(seqs) + 1) * max(width, n)
             if padded > budget or padded > max(PAD_WASTE * (real + n), SMALL_PREFILL):
                 break
@@ -145,7 +174,8 @@ class StepRunner:
         """The next `budget` tokens of `seq`'s prompt on `past`, the feeds of those before them (1, kv, done, hs);
         once the last has run, `seq` joins the batch with its first token."""
         done = _width(next(iter(past.values())))
-        ids = np.asarray(seq.prompt[done : done + self._budget()], np.int64)[None]  # (1, n)
+        context = seq.context
+        ids = np.asarray(context[done : done + self._budget()], np.int64)[None]  # (1, n)
         end = done + ids.shape[1]
         feeds = {
             INPUT_IDS: ids,
@@ -154,17 +184,23 @@ class StepRunner:
             **past,
         }
         logits, present = self._run(feeds)  # (1, n, V), (1, kv, done + n, hs) per layer
-        if end < len(seq.prompt):
+        self._note(self._cache.nbytes + nbytes(past) + nbytes(present))
+        if end < len(context):
             self._partial = (seq, dict(zip(self._cache.past_names, present, strict=True)))
             return []
         self._partial = None
         self._join([seq], present, np.array([end], np.int64))
         return self._sample([seq], logits[:, -1])
 
+    def _partial_bytes(self) -> int:
+        return nbytes(self._partial[1]) if self._partial is not None else 0
+
     def _join(self, seqs: list[Sequence], present: Past, lengths: np.ndarray) -> None:
         staying = self._staying()
+        before = self._cache.nbytes + nbytes(present)
         self._cache.join(present, lengths, staying)
-        self._rows = [self._rows[r] for r in staying] + list(seqs)
+        self._note(before + self._cache.nbytes)  # the old arrays, the prefill's present and the merged copy
+        self._drop_left(staying, seqs)
 
     def _run(self, feeds: dict[str, np.ndarray | ort.OrtValue]) -> tuple[np.ndarray, Past]:
         return run_step(self._session, self._outputs, feeds, self._cache.device)

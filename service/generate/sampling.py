@@ -36,7 +36,11 @@ class SamplingParams:
     ignore_eos: bool = False  # go on past EOS up to max_tokens (vLLM's option, for benchmarks)
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str | list):  # a lone string, or a list from JSON: one spelling, a tuple
+        # null (none), a lone string or a list from JSON: one spelling, a tuple. A lone "" is kept, to be refused as
+        # [""] is: a wire format must pass `stop` as it came (None for none), never `stop or ()`.
+        if self.stop is None:
+            object.__setattr__(self, "stop", ())
+        elif isinstance(self.stop, str | list):
             object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
         problems = [p for p in (self._number_problem(), self._stop_problem()) if p]
         if problems:
@@ -88,7 +92,10 @@ def sample(logits: np.ndarray, params: list[SamplingParams], generators: list[np
 
 def _sample_row(logits: np.ndarray, p: SamplingParams, rng: np.random.Generator) -> int:
     """nanoGPT's recipe for one (V,) row: temperature, top-k, softmax, then top-p, then one uniform draw."""
-    scaled = logits.astype(np.float64) / p.temperature  # float64: a small temperature must not overflow the softmax
+    # The max subtracted before dividing: every value is then <= 0 and the most likely token's is 0, so a temperature
+    # as small as 5e-324 sends the others to -inf (probability 0), never to inf - inf = NaN; that is greedy.
+    scaled = logits.astype(np.float64)
+    scaled = (scaled - scaled.max()) / p.temperature
     order = np.argsort(-scaled, kind="stable")  # (V,) token ids, most likely first; stable: ties in id order
     ranked = scaled[order]
     if 0 < p.top_k < ranked.size:

@@ -1,6 +1,9 @@
 """Iteration-level scheduling (Orca, vLLM v1): which sequences run the next step. Waiting sequences are admitted in
-arrival order while the KV budget (prompt + max_tokens reserved each, no preemption) and the running limit allow;
-cancelled, aborted and timed-out ones leave at once. A bounded wait: max_waiting, queue_timeout_s. No torch, no HTTP."""
+arrival order while the KV budget and the running limit allow. The budget is charged for what the cache layout holds
+(service/generate/kv_cache.py): every row it holds, a running sequence's or one that left and is not dropped yet,
+times the width the batch may reach, as TGI charges a batch for its padding. Cancelled, aborted and timed-out
+sequences leave at once; a sequence whose consumer stops reading is paused (its row dropped) and resumed, recomputed,
+when the consumer reads again. A bounded wait: max_waiting, queue_timeout_s. No torch, no HTTP."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from service.errors import ModelQueueFullError, NotReadyError
+from service.generate.kv_cache import charged_width
 from service.generate.output import ABORT
 from service.generate.sequence import Sequence
 
@@ -19,10 +23,11 @@ class Schedule:
     """One step's plan, handed to the step runner and then to the update."""
 
     step: int
-    prefill: tuple[Sequence, ...]  # admitted now: their prompts run, then they join the batch
+    prefill: tuple[Sequence, ...]  # admitted now (or resumed): their prompts (and tokens so far) run, then they join
     decode: tuple[Sequence, ...]  # running already: one token each; every other row leaves the batch
     left: tuple[Sequence, ...]  # ended from outside (cancelled, aborted) since the last step: their last events
     expired: tuple[Sequence, ...]  # waited past queue_timeout_s without starting: they end with QueueTimeoutError
+    drop_left: bool = False  # rows that left stand in the way of a waiting sequence: drop them now
 
 
 @dataclass(frozen=True)
@@ -31,28 +36,33 @@ class SchedulerState:
 
     running: int
     waiting: int
-    kv_reserved_tokens: int  # the running sequences' prompt + max_tokens, summed
+    kv_reserved_tokens: int  # rows held (running, or left and not dropped yet) x the width they may reach
     kv_budget_tokens: int
     steps: int  # schedules made so far
     draining: bool
+    paused: int = 0  # sequences whose consumer stopped reading: no row, no step, until it reads again
+    kv_bytes: int = 0  # what the KV cache held at the peak of the last step (past, present and copies)
+    kv_budget_bytes: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
-        """The share of the KV budget the running sequences reserve, 0 to 1 (vLLM's kv_cache_usage_perc)."""
-        return self.kv_reserved_tokens / self.kv_budget_tokens if self.kv_budget_tokens else 0.0
+        """The share of the KV budget's bytes the cache held in the last step, 0 to 1 (vLLM's kv_cache_usage_perc)."""
+        return self.kv_bytes / self.kv_budget_bytes if self.kv_budget_bytes else 0.0
 
 
 @dataclass(frozen=True)
 class Limits:
-    kv_budget_tokens: int  # at least the model's context length, so that any valid request can run alone
+    kv_budget_tokens: int  # rows x width; at least the model's context, so that any valid request can run alone
+    max_len: int  # the model's context: no row is wider
     max_running: int
     max_waiting: int
     queue_timeout_s: float
+    kv_budget_bytes: int = 0  # what kv_budget_tokens costs in bytes, for the usage gauge
 
 
 class Scheduler:
-    """Thread-safe: submissions and cancellations come from event loops, `schedule` and `finish` from the engine's
-    thread; one lock guards everything, held only for list operations."""
+    """Thread-safe: submissions, cancellations, pauses and resumptions come from event loops, `schedule` and `update`
+    from the engine's thread; one lock guards everything, held only for list operations."""
 
     def __init__(self, model: str, limits: Limits) -> None:
         self._model, self._limits = model, limits
@@ -60,7 +70,9 @@ class Scheduler:
         self._work = threading.Condition(self._lock)  # notified on a submission, a cancellation, drain and close
         self._waiting: deque[Sequence] = deque()
         self._running: dict[int, Sequence] = {}  # by id, in admission order
-        self._reserved = 0
+        self._held: dict[int, Sequence] = {}  # left the batch, their rows not dropped yet by the step runner
+        self._paused: dict[int, Sequence] = {}  # their consumers stopped reading
+        self._kv_bytes = 0
         self._steps = 0
         self._draining = self._closed = False
 
@@ -82,81 +94,113 @@ class Scheduler:
                 seq.stop_reason = reason
             self._work.notify()
 
+    def pause(self, seq: Sequence) -> None:
+        """Stop feeding a running `seq` (its consumer has not taken its events): it leaves the batch at the next
+        step, its row dropped like a finished one's, until `resume`."""
+        with self._lock:
+            if self._running.pop(seq.id, None) is not None:
+                self._held[seq.id] = seq
+                self._paused[seq.id] = seq
+
+    def resume(self, seq: Sequence) -> None:
+        """Feed a paused `seq` again, first in the queue: its prompt and tokens so far are recomputed."""
+        with self._lock:
+            if self._paused.pop(seq.id, None) is not None:
+                self._waiting.appendleft(seq)
+                self._work.notify()
+
     def drain(self) -> None:
         """Take no new sequences; those already queued still run."""
         with self._lock:
             self._draining = True
 
     def abort_all(self, close: bool = False) -> None:
-        """End every waiting and running sequence with ABORT at the next step; `close`: then `schedule` returns
-        None and the engine's thread ends."""
+        """End every waiting, running and paused sequence with ABORT at the next step; `close`: then `schedule`
+        returns None and the engine's thread ends."""
         with self._lock:
-            for seq in [*self._waiting, *self._running.values()]:
+            for seq in [*self._waiting, *self._running.values(), *self._paused.values()]:
                 seq.stop_reason = seq.stop_reason or ABORT
             self._draining = True
             self._closed = self._closed or close
             self._work.notify()
 
     def schedule(self) -> Schedule | None:
-        """The next step's plan; waits while there is nothing to do; None once closed and empty."""
+        """The next step's plan; waits while there is nothing to do (rows held count: the step drops them); None once
+        closed and empty."""
         with self._lock:
-            while not (self._waiting or self._running or self._closed):
+            while not (self._waiting or self._running or self._held or self._paused or self._closed):
                 self._work.wait()
             left = self._take_stopped()
             decode = tuple(self._running.values())
-            prefill = self._admit()  # before the timeout: a sequence that can start now does, however long it waited
+            prefill, drop_left = self._admit()  # before the timeout: one that can start now does, however late
             expired = self._take_expired(time.perf_counter())
-            if self._closed and not (left or expired or decode or prefill):
+            if self._closed and not (left or expired or decode or prefill or self._held):
                 return None
             self._steps += 1
-            return Schedule(self._steps, prefill, decode, left, expired)
+            return Schedule(self._steps, prefill, decode, left, expired, drop_left)
 
-    def finish(self, seqs: list[Sequence]) -> None:
-        """These running sequences ended in a step (EOS, stop, length, a failed run): their reservation is free."""
+    def update(self, finished: list[Sequence], released: list[Sequence], kv_bytes: int) -> None:
+        """After a step: `finished` ended in it (EOS, stop, length, a failed run: their rows stay charged until
+        released), the rows of `released` were dropped (their charge is free), and the cache held `kv_bytes`."""
         with self._lock:
-            for seq in seqs:
-                if self._running.pop(seq.id, None) is not None:
-                    self._reserved -= seq.kv_tokens
+            for seq in finished:
+                if (self._running.pop(seq.id, None) or self._paused.pop(seq.id, None)) is not None:
+                    self._held[seq.id] = seq
+            for seq in released:
+                self._held.pop(seq.id, None)
+            self._kv_bytes = kv_bytes
 
     def state(self) -> SchedulerState:
         with self._lock:
             return SchedulerState(
                 len(self._running),
                 len(self._waiting),
-                self._reserved,
+                self._reserved(),
                 self._limits.kv_budget_tokens,
                 self._steps,
                 self._draining,
+                len(self._paused),
+                self._kv_bytes,
+                self._limits.kv_budget_bytes,
             )
 
+    def _reserved(self, extra: Sequence | None = None, held: bool = True) -> int:
+        """Rows held (running, left unless not `held`, and `extra`) x the width they may reach. Lock held."""
+        seqs = [*self._running.values(), *(self._held.values() if held else ()), *([extra] if extra else [])]
+        return len(seqs) * charged_width([s.kv_tokens for s in seqs], self._limits.max_len) if seqs else 0
+
     def _take_stopped(self) -> tuple[Sequence, ...]:
-        """Cancelled and aborted sequences out of both lists, their reservations freed. Lock held."""
+        """Cancelled and aborted sequences out of the lists; a running one's row stays charged until dropped. Lock
+        held."""
         left = [s for s in self._waiting if s.stop_reason is not None]
         if left:
             self._waiting = deque(s for s in self._waiting if s.stop_reason is None)
         for seq in [s for s in self._running.values() if s.stop_reason is not None]:
-            del self._running[seq.id]
-            self._reserved -= seq.kv_tokens
+            self._held[seq.id] = self._running.pop(seq.id)
             left.append(seq)
+        left += [self._paused.pop(s.id) for s in list(self._paused.values()) if s.stop_reason is not None]
         return tuple(left)
 
     def _take_expired(self, now: float) -> tuple[Sequence, ...]:
-        """Waiting sequences past queue_timeout_s (the oldest are first: stop at the first that is not). Lock held."""
-        expired = []
-        while self._waiting and now - self._waiting[0].arrived > self._limits.queue_timeout_s:
-            expired.append(self._waiting.popleft())
-        return tuple(expired)
+        """Waiting sequences that never started, past queue_timeout_s (a resumed one has started). Lock held."""
+        limit = self._limits.queue_timeout_s
+        expired = tuple(s for s in self._waiting if not s.started and now - s.arrived > limit)
+        if expired:
+            self._waiting = deque(s for s in self._waiting if s.started or now - s.arrived <= limit)
+        return expired
 
-    def _admit(self) -> tuple[Sequence, ...]:
-        """Waiting sequences that fit, in arrival order; the first that does not fit stops admission (no overtaking,
-        so a long request is not starved by short ones). Lock held."""
-        admitted = []
+    def _admit(self) -> tuple[tuple[Sequence, ...], bool]:
+        """Waiting sequences that fit, in order, and whether the rows that left must be dropped this step (before
+        the new ones join) for them to fit; the first that does not fit stops admission (no overtaking, so a long
+        request is not starved by short ones). Lock held."""
+        admitted, drop, budget = [], False, self._limits.kv_budget_tokens
         while self._waiting and len(self._running) < self._limits.max_running:
             seq = self._waiting[0]
-            if self._reserved + seq.kv_tokens > self._limits.kv_budget_tokens:
-                break
+            if self._reserved(seq, held=not drop) > budget:
+                if drop or not self._held or self._reserved(seq, held=False) > budget:
+                    break
+                drop = True
             self._waiting.popleft()
             self._running[seq.id] = seq
-            self._reserved += seq.kv_tokens
             admitted.append(seq)
-        return tuple(admitted)
+        return tuple(admitted), drop

@@ -6,10 +6,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from typing import TYPE_CHECKING
 
 from service.generate.output import TextOutput
 from service.generate.request import Timing, TokenEvent, Usage
 from service.generate.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from service.generate.stream import TokenStream
 
 _ids = itertools.count()
 
@@ -21,6 +25,7 @@ class Sequence:
     __slots__ = (
         "arrived",
         "first_token",
+        "generated",
         "id",
         "loop",
         "next_input",
@@ -31,26 +36,38 @@ class Sequence:
         "sink",
         "started",
         "stop_reason",
+        "unsent",
     )
 
     def __init__(
-        self, prompt: tuple[int, ...], params: SamplingParams, output: TextOutput, sink: asyncio.Queue
+        self,
+        prompt: tuple[int, ...],
+        params: SamplingParams,
+        output: TextOutput,
+        arrived: float | None = None,
     ) -> None:
         self.id = next(_ids)
         self.prompt, self.params, self.output = prompt, params, output
         self.rng = params.generator()  # its own: the draws do not depend on what else is batched with it
-        self.arrived = time.perf_counter()
+        self.arrived = time.perf_counter() if arrived is None else arrived  # the request's head, in this process
         self.started = 0.0  # when its prefill started
         self.first_token = 0.0  # when its first token's event was made
         self.next_input = -1  # the last token generated: the input of its next decoding step
+        self.generated: list[int] = []  # its tokens so far: with the prompt, what a resumed sequence recomputes
         self.stop_reason: str | None = None  # CANCELLED or ABORT, asked for from outside the engine's thread
         self.loop = asyncio.get_running_loop()
-        self.sink = sink  # filled on `loop`'s thread only
+        self.sink: TokenStream | None = None  # its consumer's stream (which sets it), fed on `loop`'s thread only
+        self.unsent = 0  # bytes of its events in `sink`, not taken by its consumer yet (`loop`'s thread only)
 
     @property
     def kv_tokens(self) -> int:
-        """What it reserves in the KV budget at admission: its whole context, prompt and max_tokens."""
+        """The longest its row can grow: prompt and max_tokens (the width the scheduler charges for it)."""
         return len(self.prompt) + self.params.max_tokens
+
+    @property
+    def context(self) -> tuple[int, ...]:
+        """What its prefill runs: the prompt, and the tokens so far of a sequence resumed after a pause."""
+        return self.prompt + tuple(self.generated) if self.generated else self.prompt
 
     def usage(self) -> Usage:
         return Usage(len(self.prompt), self.output.tokens)

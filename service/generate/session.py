@@ -65,8 +65,12 @@ def load_decoder(
     if providers[0] == CUDA:
         preload_cuda_libraries()
     path = model_file(models_dir, name)
+    options = session_options(threads, spinning)
+    # Without ORT's CPU arena: it keeps its peak for good and rounds chunks up, so the process would hold more than
+    # the KV budget's bytes (the cache's arrays are ORT's outputs); plain allocations are returned as they are freed.
+    options.enable_cpu_mem_arena = False
     try:
-        session = ort.InferenceSession(str(path), sess_options=session_options(threads, spinning), providers=providers)
+        session = ort.InferenceSession(str(path), sess_options=options, providers=providers)
     except Exception as exc:  # ORT's load errors (InvalidProtobuf, Fail, ...) derive from Exception only
         why = f"model {name!r}: ONNX Runtime cannot load {path}: {exc}"
         raise ModelFileError(without_paths(why, path.parent)) from exc

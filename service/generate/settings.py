@@ -6,7 +6,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from contract.decoder_metadata import DecoderMetadata
+from service.generate.kv_cache import COPIES, charged_width, token_bytes
 from service.generate.scheduler import Limits
 from service.runtime import SPINNING
 
@@ -15,11 +18,13 @@ MIB = 2**20
 
 @dataclass(frozen=True)
 class GenerationSettings:
-    # 64 MiB holds 4,096 tokens of the default decoder (d_model 512, 8 kv heads, 4 layers: 16 KiB a token): 32 full
-    # 128-token contexts, as many as max_running. On 2 cores, past 32 rows a step buys little more throughput (and
-    # none past 64) while every stream's tokens come further apart: a KV cache for more rows would only hold them.
-    kv_cache_mb: float = 64.0
-    kv_cache_tokens: int | None = None  # the budget in tokens instead (it wins over kv_cache_mb when set)
+    # 128 MiB holds 32 rows of a full 128-token context of the default decoder (d_model 512, 8 kv heads, 4 layers:
+    # 16 KiB a token, twice: a step holds its past and present), as many as max_running. On 2 cores, past 32 rows a
+    # step buys little more throughput (and none past 64) while every stream's tokens come further apart.
+    kv_cache_mb: float = 128.0
+    # The budget as rows x width of the batch instead (it wins over kv_cache_mb when set); its bytes are COPIES x it x
+    # a token's bytes.
+    kv_cache_tokens: int | None = None
     max_running: int = 32  # sequences in one decoding step whatever the budget: a step's batch size (see above)
     # Prompt tokens (rows x padded width) one step runs while other sequences decode: a longer prompt runs in chunks
     # over several steps, so that it delays each running stream's next token by one chunk's run, not its whole prompt.
@@ -52,20 +57,35 @@ class GenerationSettings:
         if problems:
             raise ValueError("bad generation settings: " + "; ".join(problems))
 
-    def kv_budget_tokens(self, meta: DecoderMetadata) -> int:
-        """The budget in tokens for this model; ValueError when it cannot hold one full context (a request that fits
-        the context must always be able to run, alone)."""
+    def kv_budget_tokens(self, meta: DecoderMetadata, itemsize: int = 4) -> int:
+        """The budget as rows x width of the batch's cache for this model, whose cache holds `itemsize`-byte values
+        (4: float32, 2: float16); ValueError when it cannot hold one full context (a request that fits the context
+        must always be able to run, alone). kv_cache_mb bounds bytes: a step holds COPIES rectangles of the batch
+        (service/generate/kv_cache.py), so it buys kv_cache_mb / (COPIES x bytes per token) tokens."""
+        token = token_bytes(meta, np.dtype(f"f{itemsize}"))
         if self.kv_cache_tokens is not None:
             tokens, said = self.kv_cache_tokens, f"kv_cache_tokens={self.kv_cache_tokens}"
         else:
-            tokens = int(self.kv_cache_mb * MIB // meta.kv_bytes_per_token)
-            said = f"kv_cache_mb={self.kv_cache_mb:g} ({tokens} tokens at {meta.kv_bytes_per_token} bytes a token)"
+            tokens = int(self.kv_cache_mb * MIB // (COPIES * token))
+            said = f"kv_cache_mb={self.kv_cache_mb:g} ({tokens} tokens at {COPIES} x {token} bytes a token)"
         if tokens < meta.max_len:
             raise ValueError(
                 f"model {meta.name!r}: {said} cannot hold one context of {meta.max_len} tokens; raise it to at least "
-                f"{math.ceil(meta.max_len * meta.kv_bytes_per_token / MIB)} MiB or {meta.max_len} tokens"
+                f"{math.ceil(meta.max_len * COPIES * token / MIB)} MiB or {meta.max_len} tokens"
             )
         return tokens
 
-    def limits(self, meta: DecoderMetadata) -> Limits:
-        return Limits(self.kv_budget_tokens(meta), self.max_running, self.max_waiting, self.queue_timeout_s)
+    def rows_held(self, meta: DecoderMetadata, final_tokens: int, itemsize: int = 4) -> int:
+        """How many sequences of `final_tokens` each (prompt + max_tokens) the budget runs at once."""
+        return self.kv_budget_tokens(meta, itemsize) // charged_width([final_tokens], meta.max_len)
+
+    def limits(self, meta: DecoderMetadata, itemsize: int = 4) -> Limits:
+        tokens = self.kv_budget_tokens(meta, itemsize)
+        budget_bytes = COPIES * tokens * token_bytes(meta, np.dtype(f"f{itemsize}"))
+        return Limits(tokens, meta.max_len, self.max_running, self.max_waiting, self.queue_timeout_s, budget_bytes)
+
+
+def kv_cache_mb_for(meta: DecoderMetadata, rows: int, final_tokens: int, itemsize: int = 4) -> float:
+    """The kv_cache_mb that runs `rows` sequences of `final_tokens` each (prompt + max_tokens) at once."""
+    width = charged_width([final_tokens], meta.max_len)
+    return COPIES * rows * width * token_bytes(meta, np.dtype(f"f{itemsize}")) / MIB

@@ -1,13 +1,16 @@
 """The HTTP generation handlers: OpenAI's completions and model list under /openai/v1, and the Open Inference
 Protocol's generate and generate_stream. Each decodes its body into a GenerateRequest, takes the data plane's token
 events (`DataPlane.generate`, the one entry) and encodes them: one JSON answer, or server-sent events. The first
-event is awaited before the answer starts, so that a refusal (400, 404, 503) is an HTTP status. No torch.
+event is awaited before the answer starts, so that a refusal (400, 404, 503) is an HTTP status. Time counts from the
+request's arrival (ARRIVED). No torch.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -20,6 +23,7 @@ from service import openapi
 from service.dataplane import DataPlane, Endpoint
 from service.generate import GenerateRequest, TokenEvent
 from service.http.inference import json_body
+from service.http.uvicorn_adapter import ABORT, ARRIVED
 from service.protocol import generate as oip
 from service.protocol import openai
 from service.responses import error_body, json_response
@@ -41,35 +45,55 @@ class Stalled(Exception):
 
 class EventStream(StreamingResponse):
     """Server-sent events over the token events; the events are closed however the answer ends (a client gone
-    included), so the sequence leaves the batch and its admission ends. A client that takes none of the stream for
-    `send_timeout_s` (uvicorn's write waits once its buffer is full) is treated as gone: the answer ends unfinished,
-    which closes the connection."""
+    included), so the sequence leaves the batch and its admission ends. The first event is sent on its own, ahead of
+    the ones already made behind it (time to first token as the client sees it). A client that takes none of the
+    stream for `send_timeout_s` (uvicorn's write waits once its buffer is full) is treated as gone: once the events
+    are closed, the connection is aborted where the server offers it (ABORT: a graceful close would wait for the
+    client to read what is buffered), else (Serve's proxy) the answer ends unfinished, which closes the connection."""
 
     def __init__(self, body: AsyncIterator[bytes], events: AsyncIterator[TokenEvent], send_timeout_s: float) -> None:
         super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         self._events, self._send_timeout_s = events, send_timeout_s
 
     async def __call__(self, scope, receive, send) -> None:
+        first = True
+
         async def bounded(message) -> None:
+            nonlocal first
             try:
                 async with asyncio.timeout(self._send_timeout_s):
                     await send(message)
             except TimeoutError:
                 raise Stalled from None
+            if first and message["type"] == "http.response.body":
+                first = False
+                await asyncio.sleep(0)  # the loop turn ends, and the server's writes with it: the first event leaves
 
+        stalled = False
         try:
             await super().__call__(scope, receive, bounded)
         except Stalled:
-            logger.info("a stream's client took none of it for %g s: ended", self._send_timeout_s)
+            stalled = True
         finally:
             await self._events.aclose()
+        if stalled:
+            logger.info("a stream's client took none of it for %g s: ended", self._send_timeout_s)
+            if (abort := scope.get(ABORT)) is not None:
+                abort()
+
+
+def arrival(request: Request) -> float:
+    """perf_counter() when the request's head began to arrive, as the ingress's own server notes it; through Serve's
+    proxy, which does not, now (a handler's start)."""
+    return request.scope.get(ARRIVED) or time.perf_counter()
 
 
 async def opened(
-    plane: DataPlane, endpoint: Endpoint, name: str, request: GenerateRequest
+    plane: DataPlane, endpoint: Endpoint, name: str, build: Callable[[], GenerateRequest], arrived: float
 ) -> tuple[TokenEvent, AsyncIterator[TokenEvent]]:
-    """The request's first event (admitted, queued, its prefill run) and the rest; raises what refused it."""
-    events = plane.generate(endpoint, name, request)
+    """The request's first event (admitted, queued, its prefill run) and the rest; raises what refused it. `build`
+    makes the request (the data plane calls it once admitted), timed from `arrived`."""
+    events = plane.generate(endpoint, name, lambda: dataclasses.replace(build(), arrived=arrived))
     try:
         return await anext(events), events
     except BaseException:
@@ -111,8 +135,9 @@ async def _encoded(
 
 async def completions(plane: DataPlane, request: Request) -> Response:
     """POST /openai/v1/completions: a completion, or with `stream` its chunks as server-sent events."""
+    arrived = arrival(request)
     body = await json_body(request, plane, openai.CompletionRequest)
-    first, events = await opened(plane, COMPLETIONS, body.model, openai.to_request(body))
+    first, events = await opened(plane, COMPLETIONS, body.model, lambda: openai.to_request(body), arrived)
     completion = openai.Completion(body.model)
     if not body.stream:
         text, last = await _all(first, events)
@@ -135,16 +160,18 @@ async def models(plane: DataPlane) -> Response:
 
 async def generate(plane: DataPlane, request: Request, name: str) -> Response:
     """POST /v2/models/{name}/generate: the whole text and its finish reason."""
+    arrived = arrival(request)
     body = await json_body(request, plane, oip.GenerateBody)
-    first, events = await opened(plane, GENERATE, name, oip.to_request(body))
+    first, events = await opened(plane, GENERATE, name, lambda: oip.to_request(body), arrived)
     text, last = await _all(first, events)
     return json_response(oip.answer(name, body, text, last))
 
 
 async def generate_stream(plane: DataPlane, request: Request, name: str) -> Response:
     """POST /v2/models/{name}/generate_stream: an event per text delta, the last with `details`."""
+    arrived = arrival(request)
     body = await json_body(request, plane, oip.GenerateBody)
-    first, events = await opened(plane, GENERATE_STREAM, name, oip.to_request(body))
+    first, events = await opened(plane, GENERATE_STREAM, name, lambda: oip.to_request(body), arrived)
     encoded = _encoded(first, events, lambda e: [sse(oip.answer(name, body, e.text, e))], b"")
     return EventStream(encoded, events, plane.limits.send_timeout_s)
 

@@ -18,7 +18,7 @@ from service.config import RequestLimits
 from service.errors import ServiceError
 from service.http.coalesced_writes import LINGER_S
 from service.http.uvicorn_adapter import HEAD_CHECKED
-from service.responses import error_response
+from service.responses import error_response, is_openai
 
 
 def over_limits(scope: dict[str, Any], limits: RequestLimits) -> ServiceError | None:
@@ -36,14 +36,15 @@ def over_limits(scope: dict[str, Any], limits: RequestLimits) -> ServiceError | 
 
 
 class RequestLimitsMiddleware:
-    """Answers a request over the limits (over_limits) with its JSON error; every other request goes on."""
+    """Answers a request over the limits (over_limits) with its JSON error (OpenAI's shape under its prefix); every
+    other request goes on."""
 
     def __init__(self, app, limits: RequestLimits) -> None:
         self.app, self.limits = app, limits
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and (refusal := over_limits(scope, self.limits)) is not None:
-            return await error_response(refusal)(scope, receive, send)
+            return await error_response(refusal, is_openai(scope["path"]))(scope, receive, send)
         await self.app(scope, receive, send)
 
 

@@ -2,8 +2,9 @@
 limits while a head arrives (a pipelined one from its own first byte, refused after the answers before it) and the
 connection cap at accept (no public uvicorn option bounds a head's size or time, and its `limit_concurrency` counts
 only complete heads), counting requests in progress from their head (Load) and open connections, writing each
-response in one send, and cancelling a request whose client went away; and a server that leaves the process's
-signals to Ray. uvicorn and httptools are pinned to the tested range (pyproject.toml);
+response in one send, noting when each request began to arrive and offering its application an abort (scope keys
+ARRIVED and ABORT), and cancelling a request whose client went away; and a server that leaves the process's signals
+to Ray. uvicorn and httptools are pinned to the tested range (pyproject.toml);
 tests/test_head_limits.py and tests/test_slow_heads.py fail when a hook stops engaging. No torch.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import time
 from collections.abc import Iterator
 
 import uvicorn
@@ -23,9 +25,15 @@ from service.errors import BadRequestError, HeadTimeoutError, ServiceError
 from service.http.coalesced_writes import LINGER_S, CoalescedWrites
 from service.http.connection_metrics import ConnectionMetrics
 from service.load import Load
-from service.responses import raw_error_response
+from service.responses import is_openai, raw_error_response
 
 HEAD_CHECKED = "mha.head_checked"  # scope key: the head was held to the limits as it arrived
+# scope key: time.perf_counter() when the request's first byte was parsed; time to first token and latency count from
+# it (reading, parsing and queueing included), not from when a handler got the request
+ARRIVED = "mha.arrived"
+# scope key: a callable that ends the connection at once, dropping what is buffered, for an answer whose client reads
+# nothing (a graceful close would wait for that client to read it all); uvicorn takes the answer as the client's going
+ABORT = "mha.abort"
 # After a 408 for a slow head or a 503 over the connection cap: no large body is on its way, and the descriptor must
 # be free again soon (a slow head's connection is closed within header_timeout_s + 1 s).
 SHORT_LINGER_S = 0.5
@@ -143,6 +151,7 @@ class HeadLimitedProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self.scope[ARRIVED] = time.perf_counter()  # type: ignore[typeddict-unknown-key]
         self._in_head, self._head_bytes, self._arrived = True, 0, 0
         self._in_message = True
         self._begun += 1
@@ -171,6 +180,7 @@ class HeadLimitedProtocol(HttpToolsProtocol):
         cycle = self.cycle
         super().on_headers_complete()
         if self.cycle is not cycle:  # a request began (now, or queued behind a pipelined one)
+            self.scope[ABORT] = functools.partial(self._abort, self.cycle)  # type: ignore[typeddict-unknown-key]
             self._requests += 1
             self.load.arrived += 1
             if self._stopping:
@@ -202,11 +212,17 @@ class HeadLimitedProtocol(HttpToolsProtocol):
             self._deferred_linger = linger_s  # on_response_complete refuses once the last of those answers is out
             return
         self._deferred_linger = None
-        self.transport.write(raw_error_response(self._refusal))
+        target = getattr(self, "url", b"")  # the request target as far as it arrived (none before a request began)
+        self.transport.write(raw_error_response(self._refusal, is_openai(target.decode("latin-1"))))
         if self.transport.can_write_eof():
             self.transport.linger(linger_s)
         else:
             self.transport.close()
+
+    def _abort(self, cycle) -> None:
+        """ABORT for `cycle`'s application: its answer ends unfinished and the connection is closed at once."""
+        cycle.disconnected = True  # as when the client goes: no "returned without completing response" error
+        self.transport.abort()
 
     def shutdown(self) -> None:
         """uvicorn's graceful shutdown, for each open connection once the listener is closed. uvicorn's own closes an

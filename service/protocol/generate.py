@@ -38,7 +38,7 @@ class GenerateBody(BaseModel):
 
 def to_request(body: GenerateBody) -> GenerateRequest:
     p = body.parameters
-    params = SamplingParams(p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed, p.stop or (), p.ignore_eos)
+    params = SamplingParams(p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed, p.stop, p.ignore_eos)
     return GenerateRequest(body.text_input, params)
 
 

@@ -76,7 +76,7 @@ def to_request(body: CompletionRequest) -> GenerateRequest:
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=body.top_k or 0,
         seed=body.seed,
-        stop=body.stop or (),
+        stop=body.stop,
         ignore_eos=body.ignore_eos,
     )
     return GenerateRequest(body.prompt if isinstance(body.prompt, str) else tuple(body.prompt), params)

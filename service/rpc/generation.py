@@ -27,9 +27,12 @@ def to_body(message: pb.ModelGenerateRequest) -> oip.GenerateBody:
     return validated(values, oip.GenerateBody)
 
 
-def to_request(message: pb.ModelGenerateRequest, body: oip.GenerateBody) -> GenerateRequest:
-    """The body's request, with the message's token ids as the prompt where it gives them instead of text."""
-    request = oip.to_request(body)
+def to_request(
+    message: pb.ModelGenerateRequest, body: oip.GenerateBody, arrived: float | None = None
+) -> GenerateRequest:
+    """The body's request, with the message's token ids as the prompt where it gives them instead of text; timed from
+    `arrived` (a perf_counter())."""
+    request = dataclasses.replace(oip.to_request(body), arrived=arrived)
     if not message.prompt_token_ids:
         return request
     if message.text_input:

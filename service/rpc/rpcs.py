@@ -6,6 +6,7 @@ service/rpc/serve_proxy.py). No torch.
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -88,9 +89,10 @@ async def _model_generate(
 ) -> AsyncGenerator[Message, None]:
     """Decoded into the same generate request as HTTP's; each token event of the data plane's one entry is a
     message. Closing this generator (the call cancelled, its deadline past) ends the sequence within a step."""
+    arrived = time.perf_counter()  # the handler's start: gRPC tells no time of arrival
     check_body_size(message.ByteSize(), plane.limits)  # as ModelInfer: Serve's proxy takes up to 2 GiB
     body = generation.to_body(message)
-    events = plane.generate(GRPC_GENERATE, message.model_name, generation.to_request(message, body))
+    events = plane.generate(GRPC_GENERATE, message.model_name, lambda: generation.to_request(message, body, arrived))
     try:
         async for event in events:
             yield generation.to_response(message.model_name, body, event)

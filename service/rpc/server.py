@@ -1,42 +1,81 @@
 """The ingress replica's own grpc.aio server (the local direct mode): every RPC of service/rpc/rpcs.py as a generic
-method handler; a service error aborts the call with its status and message. No torch.
+method handler; a service error aborts the call with its status and message, and so do bytes that are not the RPC's
+message and a stream's client that takes none of it for send_timeout_s. No torch.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import defaultdict
+from collections.abc import AsyncGenerator
 
 import grpc
+from google.protobuf.message import DecodeError, Message
 
 from service.config import RequestLimits
 from service.dataplane import DataPlane
-from service.errors import ServiceError
+from service.errors import BadRequestError, ServiceError
 from service.rpc.rpcs import RPCS, Rpc
 from service.rpc.status import status_of
+
+logger = logging.getLogger(__name__)
+
+
+class Stalled(Exception):
+    """A stream's client took none of it for send_timeout_s."""
+
+
+def _decoded(rpc: Rpc, raw: bytes) -> Message:
+    """The call's message from its bytes: decoded here, not by gRPC, which answers a deserializer's error with
+    UNKNOWN and a Python traceback's words; bytes that are not the message are a 400 (INVALID_ARGUMENT)."""
+    try:
+        return rpc.request.FromString(raw)
+    except DecodeError as exc:
+        raise BadRequestError(f"malformed request message: {exc}") from None  # the error names the message type
+
+
+async def _write_each(messages: AsyncGenerator[Message, None], context, send_timeout_s: float) -> None:
+    """Each message written as it comes, each write within `send_timeout_s` (gRPC's waits while the client's
+    flow-control window is full), else Stalled; the messages are closed however it ends (the sequence leaves), before
+    any status is sent."""
+    try:
+        async for message in messages:
+            try:
+                async with asyncio.timeout(send_timeout_s):
+                    await context.write(message)
+            except TimeoutError:
+                raise Stalled(f"the client took none of the stream for {send_timeout_s:g} s: ended") from None
+    finally:
+        await messages.aclose()
 
 
 def _behaviour(plane: DataPlane, rpc: Rpc):
     """The method's behaviour on a grpc.aio server: the RPC's answer, or an abort with the error's status."""
 
-    async def unary(request, context: grpc.aio.ServicerContext):
+    async def unary(raw: bytes, context: grpc.aio.ServicerContext):
         try:
-            return await rpc.answer(plane, request, context.invocation_metadata() or ())
+            return await rpc.answer(plane, _decoded(rpc, raw), context.invocation_metadata() or ())
         except ServiceError as exc:
             await context.abort(status_of(exc), str(exc))
 
-    async def stream(request, context: grpc.aio.ServicerContext):
-        """Each message written as it comes. Written from a coroutine rather than yielded: gRPC cancels this task
-        when the call is cancelled (or its deadline passes), and the `finally` then closes the answer at once."""
-        messages = rpc.answer(plane, request, context.invocation_metadata() or ())
+    async def stream(raw: bytes, context: grpc.aio.ServicerContext):
+        """Written from a coroutine rather than yielded: gRPC cancels this task when the call is cancelled (or its
+        deadline passes), and the answer is then closed at once."""
         try:
-            async for message in messages:
-                await context.write(message)
+            messages = rpc.answer(plane, _decoded(rpc, raw), context.invocation_metadata() or ())
+            await _write_each(messages, context, plane.limits.send_timeout_s)
         except ServiceError as exc:
             await context.abort(status_of(exc), str(exc))
-        finally:
-            await messages.aclose()
+        except Stalled as exc:
+            # The status goes after what the client has not read: the call ends once it reads or leaves, or once it
+            # answers no ping (the server's keepalive); its sequence has left already.
+            logger.info("%s", exc)
+            try:
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
+            except grpc.aio.InternalError:  # the connection closed first: gone, as a call its client cancelled
+                raise asyncio.CancelledError from None
 
     return stream if rpc.streaming else unary
 
@@ -48,7 +87,7 @@ def handlers(plane: DataPlane) -> list[grpc.GenericRpcHandler]:
         handler = grpc.unary_stream_rpc_method_handler if rpc.streaming else grpc.unary_unary_rpc_method_handler
         methods[rpc.service][rpc.name] = handler(
             _behaviour(plane, rpc),
-            request_deserializer=rpc.request.FromString,
+            request_deserializer=None,  # the raw bytes: decoded by the behaviour (_decoded)
             response_serializer=rpc.response.SerializeToString,
         )
     return [grpc.method_handlers_generic_handler(service, by_name) for service, by_name in methods.items()]
@@ -65,6 +104,10 @@ class GrpcServer:
             # that has not begun HTTP/2 (its preface and settings) within header_timeout_s is closed
             ("grpc.max_allowed_incoming_connections", limits.max_connections),
             ("grpc.server_handshake_timeout_ms", int(limits.header_timeout_s * 1000)),
+            # a peer that answers no HTTP/2 ping within send_timeout_s is gone, as a stream's client that takes none
+            # of it for that long: its connection is closed, and the calls it held (pinged only while it has calls)
+            ("grpc.keepalive_time_ms", int(limits.send_timeout_s * 1000)),
+            ("grpc.keepalive_timeout_ms", int(limits.send_timeout_s * 1000)),
             # shared by the node's serving processes, or else a second server on the port must fail
             ("grpc.so_reuseport", int(shared)),
         ]
