@@ -18,7 +18,6 @@ from contract.metadata import LOGITS, ModelMetadata
 from service import attention_api, heap_trim
 from service.config import AppConfig
 from service.errors import BadRequestError, ModelNotFoundError, OverCapacityError, ServiceError
-from service.generate.output import OPENAI_FINISH_REASONS
 from service.generate.request import GenerateRequest, TokenEvent
 from service.generating import ColocatedDecoder, not_a_classifier, not_a_decoder
 from service.generation_metrics import GenerationMetrics, generation_labels
@@ -182,37 +181,17 @@ class DataPlane:
                     request = dataclasses.replace(request, arrived=called)
                 labels = generation_labels(self.models.labels(call.target, call.status), call.status.metadata.kv_heads)
                 stream = placement.submit(request)
-                try:  # closed with this generator (a client gone), so that it records the abort
-                    async with contextlib.aclosing(self._recorded(stream, labels, request.arrived)) as events:
-                        async for event in events:
-                            yield event
+                record = self.generation_metrics.stream(labels, request.arrived, stream.prompt_tokens)
+                try:
+                    async for event in stream:
+                        record.taken(event)
+                        yield event
+                        record.handled()
+                except (asyncio.CancelledError, GeneratorExit):  # the client went away before the last event
+                    record.left()
+                    raise
                 finally:
                     stream.cancel()
-
-    async def _recorded(self, stream, labels: dict[str, str], arrived: float) -> AsyncIterator[TokenEvent]:
-        """`stream`'s events, each recorded in the generation metrics as taken; the first token's time once its
-        consumer has handled it (a stream's transport: written) and asks for more, or leaves."""
-        metrics, last, first, finished = self.generation_metrics, 0.0, 0, False
-        try:
-            async for event in stream:
-                tokens = len(event.token_ids)
-                if last:
-                    metrics.token_event(labels, tokens, event.time - last, False)
-                if event.queued_s is not None:  # its prefill ran: a request that timed out waiting has none
-                    metrics.queued(labels, event.queued_s)
-                    metrics.prompt_tokens(labels, stream.prompt_tokens)
-                if event.finish_reason is not None:
-                    finished, reason = True, OPENAI_FINISH_REASONS[event.finish_reason]
-                    metrics.generation_finished(labels, reason, event.timing.total_s)
-                first = 0 if last else tokens  # the first token's count, until its time is recorded
-                yield event
-                metrics.token_event(labels, first, time.perf_counter() - arrived, True)
-                first, last = 0, event.time if tokens else last
-        except (asyncio.CancelledError, GeneratorExit):  # the client went away before the last event
-            metrics.token_event(labels, first, time.perf_counter() - arrived, True)
-            if not finished:
-                metrics.generation_finished(labels, "abort", time.perf_counter() - arrived)
-            raise
 
     @contextlib.contextmanager
     def _generation_slot(self) -> Iterator[None]:

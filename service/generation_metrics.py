@@ -5,8 +5,12 @@ the process that holds the engine. Labels: a model's head configuration and its 
 
 from __future__ import annotations
 
+import time
+
 from ray.serve.metrics import Counter, Gauge, Histogram
 
+from service.generate.output import OPENAI_FINISH_REASONS
+from service.generate.request import TokenEvent
 from service.generate.scheduler import SchedulerState
 from service.metrics import LATENCY_BUCKETS_S, MODEL_LABELS
 
@@ -95,6 +99,10 @@ class GenerationMetrics:
         self.e2e.observe(seconds, tags=labels)
         self.succeeded.inc(1, tags={**labels, "finished_reason": finished_reason})
 
+    def stream(self, labels: dict[str, str], arrived: float, prompt_tokens: int) -> StreamRecord:
+        """The recorder of one stream's events (generation_labels; `arrived`: perf_counter of its head)."""
+        return StreamRecord(self, labels, arrived, prompt_tokens)
+
     def prompt_tokens(self, labels: dict[str, str], tokens: int) -> None:
         counts = self._tokens.setdefault(tuple(labels.values()), [0, 0])
         counts[1] += tokens
@@ -108,6 +116,43 @@ class GenerationMetrics:
             for counter, count in ((self.generated, generated), (self.prompt, prompt)):
                 if count:  # a Ray counter takes only increments > 0
                     counter.inc(count, tags=tags)
+
+
+class StreamRecord:
+    """One generation stream's metrics, recorded as its consumer takes each event: the first token's time once the
+    consumer has handled it (a stream's transport: written) and comes back for more, or leaves; the abort of a
+    stream whose consumer leaves before its last event."""
+
+    def __init__(self, metrics: GenerationMetrics, labels: dict[str, str], arrived: float, prompt_tokens: int) -> None:
+        self._metrics, self._labels, self._arrived, self._prompt = metrics, labels, arrived, prompt_tokens
+        self._last = 0.0  # the engine's time of the last event with tokens (0: none yet)
+        self._first = 0  # the first token event's tokens, until its time is recorded
+        self._finished = False
+
+    def taken(self, event: TokenEvent) -> None:
+        metrics, labels, tokens = self._metrics, self._labels, len(event.token_ids)
+        if self._last:
+            metrics.token_event(labels, tokens, event.time - self._last, False)
+        elif tokens:
+            self._first = tokens
+        if tokens:
+            self._last = event.time
+        if event.queued_s is not None:  # its prefill ran: a request that timed out waiting has none
+            metrics.queued(labels, event.queued_s)
+            metrics.prompt_tokens(labels, self._prompt)
+        if event.finish_reason is not None:
+            self._finished = True
+            metrics.generation_finished(labels, OPENAI_FINISH_REASONS[event.finish_reason], event.timing.total_s)
+
+    def handled(self) -> None:
+        if self._first:
+            self._metrics.token_event(self._labels, self._first, time.perf_counter() - self._arrived, True)
+            self._first = 0
+
+    def left(self) -> None:
+        self.handled()
+        if not self._finished:
+            self._metrics.generation_finished(self._labels, "abort", time.perf_counter() - self._arrived)
 
 
 class EngineGauges:

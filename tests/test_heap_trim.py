@@ -1,5 +1,6 @@
 """Giving freed heap memory back to the OS (service/heap_trim.py): on glibc a trim returns the free pages between
-blocks still in use, which glibc keeps by itself; trims come at most once per MIN_INTERVAL_S."""
+blocks still in use, which glibc keeps by itself; trims come at most once per MIN_INTERVAL_S, and only with at least
+TRIM_ABOVE free."""
 
 from __future__ import annotations
 
@@ -34,6 +35,12 @@ def test_a_trim_returns_the_free_pages_between_live_blocks_that_glibc_keeps(monk
             libc.free(p)
     freed = _rss_kib()
     monkeypatch.setattr(heap_trim, "_last", float("-inf"))
+    monkeypatch.setattr(heap_trim, "TRIM_ABOVE", heap_trim.free_bytes() + 1)
+    assert not heap_trim.trim(), "it trimmed with less than TRIM_ABOVE free"
+    assert _rss_kib() > freed - (10 << 10)
+    monkeypatch.setattr(heap_trim, "_last", float("-inf"))
+    monkeypatch.setattr(heap_trim, "TRIM_ABOVE", 16 << 20)
+    assert heap_trim.free_bytes() > 90 << 20
     assert heap_trim.trim()
     trimmed = _rss_kib()
     assert not heap_trim.trim(), "a second trim within MIN_INTERVAL_S ran"
