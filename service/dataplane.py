@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
 from contract.metadata import LOGITS, ModelMetadata
-from service import attention_api, heap_trim
+from service import attention_api, heap
 from service.config import AppConfig
 from service.errors import BadRequestError, ModelNotFoundError, OverCapacityError, ServiceError
 from service.generate.request import GenerateRequest, TokenEvent
@@ -159,9 +159,9 @@ class DataPlane:
             loop.call_soon(self.metrics.finished, labels, endpoint.name, code, elapsed, rejected)
             if route is not None:
                 self.metrics.routed_request(route.name, labels, code)
-            if load.inference == 0:  # after the answer, too: mirrored runs, and the heap's freed pages back (1/s)
+            if load.inference == 0:  # after the answer, too: mirrored runs, and the heap trimmed once quiet
                 loop.call_soon(self._shadows.idle)
-                loop.call_soon(heap_trim.trim)
+                heap.idle()
 
     async def generate(
         self, endpoint: Endpoint, name: str, request: GenerateRequest | Callable[[], GenerateRequest]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from service import heap_trim
+from service import heap
 from service.errors import GenerationFailedError, QueueTimeoutError
 from service.generate.output import CANCELLED, TextOutput
 from service.generate.request import GenerateRequest, TokenEvent
@@ -102,8 +102,8 @@ class GenerationEngine:
                 self._update(plan, tokens)
             except Exception as exc:  # ORT failed (or a bug): this step's sequences end with it, the engine goes on
                 self._fail(plan, exc)
-            if not self._runner.peak_bytes and not self._busy():  # it holds nothing now: its cache's pages go back
-                heap_trim.trim()
+            if not self._runner.peak_bytes and not self._busy():  # it holds nothing now: the heap is trimmed once quiet
+                heap.idle()
 
     def _update(self, plan: Schedule, tokens: list[tuple[Sequence, int]]) -> None:
         """Each sequence's new token through its output processor into an event; finished ones leave."""

@@ -67,7 +67,8 @@ def load_decoder(
     path = model_file(models_dir, name)
     options = session_options(threads, spinning)
     # Without ORT's CPU arena: it keeps its peak for good and rounds chunks up, so the process would hold more than
-    # the KV budget's bytes (the cache's arrays are ORT's outputs); plain allocations are returned as they are freed.
+    # the KV budget's bytes (the cache's arrays are ORT's outputs); plain allocations go back to the C heap, which is
+    # trimmed once the engine is quiet (service/heap.py).
     options.enable_cpu_mem_arena = False
     try:
         session = ort.InferenceSession(str(path), sess_options=options, providers=providers)
