@@ -1,10 +1,10 @@
 """Giving the C heap's free pages back to the operating system once the process is quiet. A KV cache's arrays are
 megabytes each and change size every step; glibc's malloc raises its mmap threshold after freeing such blocks (up to
 32 MiB), so later ones come from the heap and stay in the process once freed: the serving process would keep its
-busiest moment's size. Fixed thresholds return them as they are freed but halved the engine's tokens/s (fresh pages
-every step), or, set high, held 7-15 MiB more after a burst (docs/benchmarks-history.md), so the heap is trimmed
-instead: `idle` (a holder of such blocks, an engine or the data plane, holds none now) has glibc's `malloc_trim` run
-once IDLE_S pass with no holder going idle again, if at least TRIM_ABOVE bytes lie free. A burst's pages come back as
+busiest moment's size. Fixed thresholds (mallopt) either return them as they are freed, at the cost of fresh pages
+every step, or keep more after a burst (measured: docs/benchmarks-history.md), so the heap is trimmed instead:
+`idle` (a holder of such blocks, an engine or the data plane, holds none now) has glibc's `malloc_trim` run once
+IDLE_S pass with no holder going idle again, if at least TRIM_ABOVE bytes lie free. A burst's pages come back as
 faults, so bursts close together are not trimmed between. Through ctypes; elsewhere than glibc nothing is done. No
 torch.
 """
@@ -77,7 +77,7 @@ def _when_quiet() -> None:
 def trim() -> bool:
     """Return the heap's free pages to the OS if at least TRIM_ABOVE lie free; whether it ran."""
     libc = _glibc()
-    if libc is None or libc.mallinfo2().fordblks < TRIM_ABOVE:
+    if libc is None or free_bytes() < TRIM_ABOVE:
         return False
     libc.malloc_trim(0)
     return True
