@@ -17,6 +17,7 @@ import torch
 
 from benchmarks.generate import cli, loops
 from benchmarks.generate.report import SYSTEMS as NAMES
+from benchmarks.harness.server import takes_grpc_port
 from export import decoder_export
 from export.decoder import DecoderConfig, DecoderLM
 from service.generate.session import load_decoder
@@ -75,3 +76,11 @@ def test_the_bare_loop_with_its_cache_bound_to_the_session_makes_the_plain_loops
     plain = np.stack(list(loops.greedy_steps(runtime, prompts, 12, bound=False)))  # (new, B)
     bound = np.stack(list(loops.greedy_steps(runtime, prompts, 12, bound=True)))
     assert plain.shape == (12, 3) and (plain == bound).all()
+
+
+def test_a_versus_checkout_serves_with_grpc_open_exactly_when_its_launcher_takes_the_flag(tmp_path):
+    """Both sides of a comparison run the same servers: gRPC open on both, or on neither."""
+    assert takes_grpc_port(None) and takes_grpc_port(Path(__file__).resolve().parents[1])
+    (tmp_path / "service").mkdir()
+    (tmp_path / "service" / "cli.py").write_text('parser.add_argument("--port")\n')
+    assert not takes_grpc_port(tmp_path)

@@ -21,6 +21,11 @@ from benchmarks.harness.processes import command_line, descendants, memory_kib, 
 from service.local.ports import free_port
 
 
+def takes_grpc_port(tree: Path | None) -> bool:
+    """Whether `tree`'s launcher (None: this checkout's) takes --grpc-port: another checkout's may predate gRPC."""
+    return tree is None or any('"--grpc-port"' in path.read_text() for path in (tree / "service").rglob("*.py"))
+
+
 class ServerProcess:
     """`with ServerProcess(config) as s:` runs `mha-serving serve --config <config>` on a free port."""
 
@@ -40,7 +45,7 @@ class ServerProcess:
         path = Path(self._dir.name) / "serve.yaml"
         path.write_text(yaml.safe_dump(self.config))
         cmd = [sys.executable, "-m", "service.cli", "serve", "--config", str(path), "--port", str(self.port)]
-        if self.tree is None:  # another checkout's launcher may predate gRPC (and its flag): it opens no gRPC port then
+        if takes_grpc_port(self.tree):  # both sides of a comparison run the same servers
             cmd += ["--grpc-port", str(self.grpc_port)]
         cmd += ["--metrics-port", str(self.metrics_port), *self.extra_args]  # extra_args last: they win
         start = time.perf_counter()
