@@ -18,6 +18,7 @@ from contract.metadata import LOGITS, ModelMetadata
 from service import attention_api, heap
 from service.config import AppConfig
 from service.errors import BadRequestError, ModelNotFoundError, OverCapacityError, ServiceError
+from service.generate.choices import Choices
 from service.generate.request import GenerateRequest, TokenEvent
 from service.generating import ColocatedDecoder, not_a_classifier, not_a_decoder
 from service.generation_metrics import GenerationMetrics, generation_labels
@@ -164,44 +165,60 @@ class DataPlane:
                 heap.idle()
 
     async def generate(
-        self, endpoint: Endpoint, name: str, request: GenerateRequest | Callable[[], GenerateRequest]
-    ) -> AsyncIterator[TokenEvent]:
-        """A generation request's token events, the last with a finish_reason, usage and timing. Admitted like any
-        request (its 503s, a full queue, a queue timeout or generation's share of max_in_flight, are rejections) until
-        its last event is taken; a consumer that stops (a client gone) ends it within a step. `request` may be a
-        callable that builds it once admitted (its 400s counted too). Time counts from the request's arrival."""
+        self,
+        endpoint: Endpoint,
+        name: str,
+        request: GenerateRequest | Callable[[], GenerateRequest | list[GenerateRequest]],
+    ) -> AsyncIterator[tuple[int, TokenEvent]]:
+        """A generation request's token events, each with its choice's index (a request may be several sequences:
+        a list of requests, a batch's prompts and their choices); each choice's last event has a finish_reason,
+        usage and timing. Admitted like any request (its 503s, a full queue, a queue timeout or generation's share of
+        max_in_flight, are rejections), its sequences counted in that share, until its last event is taken; a
+        consumer that stops (a client gone) ends them within a step. `request` may be a callable that builds it once
+        admitted (its 400s counted too). Time counts from the request's arrival."""
         called = time.perf_counter()
         async with self.admit(endpoint, name) as call:
             placement = self.models.placement(call.target)
             if not getattr(placement, "generates", False):
                 raise not_a_decoder(call.target)
-            with self._generation_slot():
-                request = request() if callable(request) else request
-                if request.arrived is None:
-                    request = dataclasses.replace(request, arrived=called)
+            built = request() if callable(request) else request
+            requests = [built] if isinstance(built, GenerateRequest) else built
+            requests = [r if r.arrived is not None else dataclasses.replace(r, arrived=called) for r in requests]
+            with self._generation_slot(len(requests)):
                 labels = generation_labels(self.models.labels(call.target, call.status), call.status.metadata.kv_heads)
-                stream = placement.submit(request)
-                record = self.generation_metrics.stream(labels, request.arrived, stream.prompt_tokens)
+                choices = Choices.submit(placement, requests)
+                records = [
+                    self.generation_metrics.stream(labels, r.arrived, s.prompt_tokens)
+                    for r, s in zip(requests, choices.streams, strict=True)
+                ]
                 try:
-                    async for event in stream:
+                    async for index, event in choices:
+                        record = records[index]
                         record.taken(event)
-                        yield event
+                        yield index, event
                         record.handled()
                 except (asyncio.CancelledError, GeneratorExit):  # the client went away before the last event
-                    record.left()
+                    for record in records:
+                        record.left()
                     raise
                 finally:
-                    stream.cancel()
+                    choices.close()
 
     @contextlib.contextmanager
-    def _generation_slot(self) -> Iterator[None]:
-        """Generation's share of limits.max_in_flight, held for a whole stream: busy decoders leave classifiers room."""
-        check_generation_in_flight(self._generating + 1, self.limits)
-        self._generating += 1
+    def _generation_slot(self, sequences: int) -> Iterator[None]:
+        """Generation's share of limits.max_in_flight, held for a whole stream: busy decoders leave classifiers room.
+        A request of more sequences than the whole share is a 400: it could never be admitted."""
+        if sequences > self.limits.generation_in_flight:
+            raise BadRequestError(
+                f"{sequences} sequences (prompts x n) in one request can never be admitted: generation's share of "
+                f"limits.max_in_flight is {self.limits.generation_in_flight}"
+            )
+        check_generation_in_flight(self._generating + sequences, self.limits)
+        self._generating += sequences
         try:
             yield
         finally:
-            self._generating -= 1
+            self._generating -= sequences
 
     def _classifier(self, call: Call) -> ModelPlacement:
         placement = self.models.placement(call.target)

@@ -28,6 +28,11 @@ def _restored(cls: type[ServiceError], args: tuple, state: dict) -> ServiceError
     return error
 
 
+def prefixed(error: ServiceError, what: str) -> ServiceError:
+    """The same error (its class, status and attributes) with its message after `what`: "prompt 2: ..."."""
+    return _restored(type(error), (f"{what}: {error}", *error.args[1:]), dict(error.__dict__))
+
+
 class BadRequestError(ServiceError):
     """400: the request is malformed or breaks the model's contract (names, dtypes, shapes, ids, lengths)."""
 

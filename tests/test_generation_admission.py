@@ -122,7 +122,7 @@ def test_generations_400s_are_counted_in_the_request_metrics_like_the_classifier
     with httpx.Client(base_url=base_url, timeout=60) as client:
         bad = {"text_input": "hi", "parameters": {"temperature": -1}}
         assert client.post(f"/v2/models/{COLOCATED}/generate", json=bad).status_code == 400
-        unsupported = {"model": REMOTE, "prompt": "hi", "n": 2}
+        unsupported = {"model": REMOTE, "prompt": "hi", "n": 0}
         assert client.post("/openai/v1/completions", json=unsupported).status_code == 400
     wanted = {
         ("v2_generate", COLOCATED): 1,

@@ -18,7 +18,7 @@ from contract.tokenizer import ByteTokenizer
 from service.config import AppConfig
 from service.dataplane import DataPlane, Endpoint
 from service.deployment import DecoderServer
-from service.errors import OverCapacityError, SamplingParamsError
+from service.errors import BadRequestError, OverCapacityError, SamplingParamsError
 from service.generate import GenerateRequest, GenerationSettings, SamplingParams
 from service.generating import ColocatedDecoder
 from service.inference import ModelStatus
@@ -83,7 +83,7 @@ def _run(models_dir: Path, test, **limits) -> None:
 def test_time_to_first_token_and_queue_time_count_from_the_requests_arrival_not_its_admission(models_dir):
     async def test(plane: DataPlane, recorded: _Recorded) -> None:
         request = GenerateRequest("hi", _greedy(4), arrived=time.perf_counter() - AGE_S)
-        events = [event async for event in plane.generate(ENDPOINT, LM, request)]
+        events = [event async for _, event in plane.generate(ENDPOINT, LM, request)]
         assert AGE_S <= recorded.first_token[0] < AGE_S + 5, recorded.first_token
         last = events[-1]
         assert last.finish_reason is not None and AGE_S <= last.timing.queued_s <= last.timing.first_token_s
@@ -204,3 +204,24 @@ def test_a_decoders_replica_counts_queue_time_and_first_token_from_the_age_it_wa
         assert AGE_S <= timing.queued_s <= timing.first_token_s <= timing.total_s < AGE_S + 5, timing
 
     asyncio.run(run())
+
+
+def test_a_request_of_several_sequences_counts_each_in_generations_share_and_one_over_the_share_is_a_400(models_dir):
+    """Generation's share is 2: three sequences in one request can never be admitted (a 400 that says so); two are
+    refused with a 503 while another stream holds one of the two, and admitted once it has left."""
+
+    async def test(plane: DataPlane, recorded: _Recorded) -> None:
+        three = [GenerateRequest("hi", _greedy(4)) for _ in range(3)]
+        with pytest.raises(BadRequestError, match=r"3 sequences .* can never be admitted"):
+            await anext(plane.generate(ENDPOINT, LM, three))
+        held = plane.generate(ENDPOINT, LM, GenerateRequest("hi", _greedy(60)))
+        await anext(held)
+        with pytest.raises(OverCapacityError):
+            await anext(plane.generate(ENDPOINT, LM, three[:2]))
+        await held.aclose()
+        indices = sorted({index async for index, _ in plane.generate(ENDPOINT, LM, three[:2])})
+        assert indices == [0, 1]
+        await asyncio.sleep(0)
+        assert [code for code, _ in recorded.codes] == [400, 503, 499, 200]  # the held one ends at its close
+
+    _run(models_dir, test, max_in_flight=3, max_generation_in_flight=2)

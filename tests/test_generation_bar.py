@@ -111,7 +111,7 @@ BAD_COMPLETIONS = [
     ("max_tokens 0", {"model": MQA, "prompt": "x", "max_tokens": 0}, "max_tokens=0"),
     ("a token id past the vocabulary", {"model": MQA, "prompt": [1, 100000]}, "outside model"),
     ("a negative token id", {"model": MQA, "prompt": [-1]}, "outside model"),
-    ("no token ids", {"model": MQA, "prompt": []}, "the prompt is empty"),
+    ("no token ids", {"model": MQA, "prompt": []}, "prompt is an empty list"),
     ("malformed JSON", b'{"model": "' + MQA.encode() + b'", "prompt": ', "JSON"),
     ("a JSON list", [MQA, "x"], ""),
     ("no prompt", {"model": MQA}, "prompt"),

@@ -60,7 +60,7 @@ def test_an_empty_stop_string_from_either_wire_format_is_a_400_not_dropped(wire)
     for stop in ("", [""]):
         with pytest.raises(SamplingParamsError, match="stop string '' has 0 characters"):
             if wire == "openai":
-                openai.to_request(openai.CompletionRequest(model="lm", prompt="hi", stop=stop))
+                openai.to_requests(openai.CompletionRequest(model="lm", prompt="hi", stop=stop))
             else:
                 oip.to_request(oip.GenerateBody(text_input="hi", parameters={"stop": stop}))
 

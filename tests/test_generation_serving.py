@@ -1,5 +1,6 @@
 """Token generation served by `mha-serving serve` beside a classifier: the official `openai` client against
-/openai/v1 (a completion, a stream with the same text, usage, finish reasons, a stop string, a prompt of token ids),
+/openai/v1 (a completion, a stream with the same text, usage, finish reasons, a stop string, a prompt of token ids,
+batches of prompts and n choices, a model retrieved),
 the Open Inference Protocol's generate and generate_stream, the model lists, the 4xx answers (over the context, n=2,
 an unknown model, a classifier asked to generate and a decoder asked to classify), and a client that disconnects
 mid-stream freeing its sequence's KV reservation for the next request."""
@@ -19,6 +20,7 @@ from conftest import export_tiny_decoder, export_tiny_model
 from prometheus import series_total
 
 from benchmarks.harness.server import ServerProcess
+from contract.tokenizer import ByteTokenizer
 from service.config import AppConfig
 from service.generate import GenerationSettings
 from service.generating import ColocatedDecoder
@@ -79,9 +81,61 @@ def test_a_completion_and_its_stream_give_the_same_text_and_usage(client):
     assert text == choice.text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
-    plain = list(client.completions.create(**_greedy(), stream=True))  # usage on the last chunk
+    plain = list(client.completions.create(**_greedy(), stream=True))  # usage only when asked, as OpenAI's
     assert "".join(c.choices[0].text for c in plain) == choice.text
-    assert plain[-1].usage.prompt_tokens == PROMPT_TOKENS and plain[-1].choices[0].finish_reason == "length"
+    assert all(c.usage is None for c in plain) and plain[-1].choices[0].finish_reason == "length"
+
+
+def test_a_batch_of_prompts_gives_a_choice_each_that_equals_the_prompt_alone(client):
+    """Strings and token-id lists, with n: choice j of prompt i at index i x n + j, the usage summed (each prompt
+    once); streamed, each chunk carries its index and the texts are the same."""
+    prompts = [PROMPT, "class A:", "import os"]
+    alone = [client.completions.create(**_greedy() | {"prompt": p}) for p in prompts]
+    batch = client.completions.create(**_greedy() | {"prompt": prompts})
+    assert [c.index for c in batch.choices] == [0, 1, 2]
+    assert [c.text for c in batch.choices] == [a.choices[0].text for a in alone]
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert batch.usage.completion_tokens == 3 * 24
+    ids = [ByteTokenizer(64).encode(p) for p in prompts]  # what the text prompts encode to
+    by_ids = client.completions.create(**_greedy() | {"prompt": ids, "n": 2})
+    assert [c.index for c in by_ids.choices] == list(range(6))
+    assert [c.text for c in by_ids.choices] == [a.choices[0].text for a in alone for _ in range(2)]  # greedy: twice
+    assert by_ids.usage.prompt_tokens == batch.usage.prompt_tokens and by_ids.usage.completion_tokens == 6 * 24
+    chunks = list(client.completions.create(**_greedy() | {"prompt": prompts}, stream=True))
+    streamed: dict[int, str] = {}
+    for chunk in chunks:
+        assert len(chunk.choices) == 1 and chunk.usage is None
+        streamed[chunk.choices[0].index] = streamed.get(chunk.choices[0].index, "") + chunk.choices[0].text
+    assert streamed == {i: a.choices[0].text for i, a in enumerate(alone)}
+    counted = list(
+        client.completions.create(
+            **_greedy() | {"prompt": prompts}, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    assert counted[-1].choices == [] and counted[-1].usage.model_dump() == batch.usage.model_dump()
+    assert (
+        sorted(c.choices[0].finish_reason for c in counted if c.choices and c.choices[0].finish_reason)
+        == ["length"] * 3
+    )
+
+
+def test_n_seeded_choices_repeat_choice_zero_is_the_single_completion_and_they_differ(client):
+    sampled = {"model": LM, "prompt": PROMPT, "max_tokens": 16, "temperature": 1.0, "seed": 11}
+    three = [c.text for c in client.completions.create(**sampled, n=3).choices]
+    assert [c.text for c in client.completions.create(**sampled, n=3).choices] == three
+    assert client.completions.create(**sampled).choices[0].text == three[0]
+    assert len(set(three)) == 3, three  # each choice its own draws: the seed's children, not the seed again
+    batched = client.completions.create(**sampled | {"prompt": ["x", PROMPT]}, n=3)
+    assert [c.text for c in batched.choices[3:]] == three  # the same choices, second in a batch
+
+
+def test_a_decoder_is_retrieved_by_name_and_an_unknown_one_is_a_404_in_openais_shape(client, http):
+    got = client.models.retrieve(LM)
+    assert (got.id, got.object, got.max_model_len, got.kv_heads) == (LM, "model", 64, 1)
+    for name in ("nope", CLASSIFIER):
+        with pytest.raises(openai.NotFoundError, match=f"no decoder '{name}'"):
+            client.models.retrieve(name)
+    assert http.get("/openai/v1/models/nope").json()["error"]["code"] == 404
 
 
 def test_a_seeded_sampled_completion_repeats_and_a_prompt_of_token_ids_works(client):
@@ -134,8 +188,20 @@ def test_bad_requests_are_4xx_that_say_why(client, http):
     error = over.json()["error"]  # OpenAI's shape under /openai/
     assert over.status_code == 400 and error["type"] == "invalid_request_error" and error["code"] == 400
     assert f"{PROMPT_TOKENS} tokens + max_tokens 60" in error["message"] and "length of 64" in error["message"]
-    with pytest.raises(openai.BadRequestError, match="not supported: n=2"):
-        client.completions.create(model=LM, prompt=PROMPT, n=2)
+    for n in (0, 17):
+        with pytest.raises(openai.BadRequestError, match=f"n={n} must be 1 to 16"):
+            client.completions.create(model=LM, prompt=PROMPT, n=n)
+    with pytest.raises(openai.BadRequestError, match="not supported: best_of=2"):
+        client.completions.create(model=LM, prompt=PROMPT, best_of=2)
+    with pytest.raises(openai.BadRequestError, match="prompt is an empty list"):
+        client.completions.create(model=LM, prompt=[])
+    with pytest.raises(openai.BadRequestError, match="5 prompts x n=16 is 80 choices, over 64"):
+        client.completions.create(model=LM, prompt=["a"] * 5, n=16)
+    too_long = {"model": LM, "prompt": [PROMPT, "x" * 60], "max_tokens": 4}
+    with pytest.raises(openai.BadRequestError, match=r"^Error code: 400 - .*prompt 1: model 'lm-h4-kv1-d32': the "):
+        client.completions.create(**too_long)
+    with pytest.raises(openai.BadRequestError, match="prompt 0: prompt token id 999"):
+        client.completions.create(model=LM, prompt=[[999], [1]])
     with pytest.raises(openai.NotFoundError, match="unknown model 'nope'"):
         client.completions.create(model="nope", prompt=PROMPT)
     with pytest.raises(openai.BadRequestError, match="is a classifier"):

@@ -82,7 +82,7 @@ class EndlessDecoder:
         try:
             while True:
                 await asyncio.sleep(0.001)
-                yield TokenEvent(token_ids=(1,), text="x", time=time.perf_counter(), step=0)
+                yield 0, TokenEvent(token_ids=(1,), text="x", time=time.perf_counter(), step=0)
         finally:
             self.closed_at = time.monotonic()
 

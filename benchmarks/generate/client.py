@@ -19,7 +19,7 @@ PATH = "/openai/v1/completions"
 def completion_body(model: str, prompt: np.ndarray, new: int) -> bytes:
     """A greedy streamed completion of exactly `new` tokens of token-id `prompt` (T,)."""
     body = {"model": model, "prompt": prompt.tolist(), "max_tokens": new, "temperature": 0, "ignore_eos": True}
-    return json.dumps({**body, "stream": True}).encode()
+    return json.dumps({**body, "stream": True, "stream_options": {"include_usage": True}}).encode()
 
 
 def _request(port: int, body: bytes) -> bytes:

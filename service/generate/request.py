@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from contract.decoder_metadata import DecoderMetadata
 from contract.tokenizer import ByteTokenizer
-from service.errors import ContextLengthError, PromptError, SamplingParamsError
+from service.errors import BadRequestError, ContextLengthError, PromptError, SamplingParamsError, prefixed
 from service.generate.sampling import SamplingParams
 
 
@@ -20,6 +20,7 @@ class GenerateRequest:
     # time.perf_counter() in this process when the request's head arrived (None: when it is submitted): time to first
     # token, queue time and end-to-end latency count from it, reading and parsing the body included
     arrived: float | None = None
+    label: str = ""  # names it in its 400s, one of a batch ("prompt 2")
 
     def __post_init__(self) -> None:
         if isinstance(self.prompt, list):  # from JSON: one spelling, a tuple
@@ -31,12 +32,17 @@ class GenerateRequest:
         """The prompt's ids for `meta`'s model once the request passed every check against the model, all made here:
         by the engine's `submit`, and for a decoder in its own deployment by the ingress first, before any Ray call
         (its replica's engine then finds nothing wrong). PromptError, ContextLengthError or SamplingParamsError (a
-        400) say what is wrong."""
-        prompt = self.token_ids(meta)
-        if self.params.stop and not meta.takes_text:
-            raise SamplingParamsError(
-                f"stop strings cannot be found: model {meta.name!r} makes token ids, no text ({meta.tokenizer!r})"
-            )
+        400) say what is wrong, after the request's `label`."""
+        try:
+            prompt = self.token_ids(meta)
+            if self.params.stop and not meta.takes_text:
+                raise SamplingParamsError(
+                    f"stop strings cannot be found: model {meta.name!r} makes token ids, no text ({meta.tokenizer!r})"
+                )
+        except BadRequestError as exc:
+            if not self.label:
+                raise
+            raise prefixed(exc, self.label) from None
         return prompt
 
     def token_ids(self, meta: DecoderMetadata) -> tuple[int, ...]:

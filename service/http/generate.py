@@ -1,8 +1,8 @@
-"""The HTTP generation handlers: OpenAI's completions and model list under /openai/v1, and the Open Inference
-Protocol's generate and generate_stream. Each decodes its body into a GenerateRequest, takes the data plane's token
-events (`DataPlane.generate`, the one entry) and encodes them: one JSON answer, or server-sent events. The first
-event is awaited before the answer starts, so that a refusal (400, 404, 503) is an HTTP status. Time counts from the
-request's arrival (ARRIVED). No torch.
+"""The HTTP generation handlers: OpenAI's completions and models under /openai/v1, and the Open Inference Protocol's
+generate and generate_stream. Each decodes its body into GenerateRequests (OpenAI's: one per choice), takes the data
+plane's token events (`DataPlane.generate`, the one entry) and encodes them: one JSON answer, or server-sent events.
+The first event is awaited before the answer starts, so that a refusal (400, 404, 503) is an HTTP status. Time counts
+from the request's arrival (ARRIVED). No torch.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from starlette.responses import Response, StreamingResponse
 
 from service import openapi
 from service.dataplane import DataPlane, Endpoint
+from service.errors import ModelNotFoundError
 from service.generate import GenerateRequest, TokenEvent
 from service.http.inference import json_body
 from service.http.uvicorn_adapter import ABORT, ARRIVED
@@ -88,12 +89,26 @@ def arrival(request: Request) -> float:
     return request.scope.get(ARRIVED) or time.perf_counter()
 
 
+Events = AsyncIterator[tuple[int, TokenEvent]]  # each choice's events with its index (DataPlane.generate)
+
+
 async def opened(
-    plane: DataPlane, endpoint: Endpoint, name: str, build: Callable[[], GenerateRequest], arrived: float
-) -> tuple[TokenEvent, AsyncIterator[TokenEvent]]:
-    """The request's first event (admitted, queued, its prefill run) and the rest; raises what refused it. `build`
-    makes the request (the data plane calls it once admitted), timed from `arrived`."""
-    events = plane.generate(endpoint, name, lambda: dataclasses.replace(build(), arrived=arrived))
+    plane: DataPlane,
+    endpoint: Endpoint,
+    name: str,
+    build: Callable[[], GenerateRequest | list[GenerateRequest]],
+    arrived: float,
+) -> tuple[tuple[int, TokenEvent], Events]:
+    """The request's first event (admitted, queued, a prefill run) and the rest; raises what refused it. `build`
+    makes the request, or its choices (the data plane calls it once admitted), timed from `arrived`."""
+
+    def stamped() -> GenerateRequest | list[GenerateRequest]:
+        built = build()
+        if isinstance(built, GenerateRequest):
+            return dataclasses.replace(built, arrived=arrived)
+        return [dataclasses.replace(r, arrived=arrived) for r in built]
+
+    events = plane.generate(endpoint, name, stamped)
     try:
         return await anext(events), events
     except BaseException:
@@ -101,56 +116,58 @@ async def opened(
         raise
 
 
-async def _all(first: TokenEvent, events: AsyncIterator[TokenEvent]) -> tuple[str, TokenEvent]:
-    """The whole text and the last event."""
-    texts, last = [first.text], first
-    async for last in events:
-        texts.append(last.text)
-    return "".join(texts), last
+async def _all(first: tuple[int, TokenEvent], events: Events) -> tuple[dict[int, str], dict[int, TokenEvent]]:
+    """Each choice's whole text and last event, by index."""
+    texts: dict[int, list[str]] = {}
+    lasts: dict[int, TokenEvent] = {}
+    async for index, event in _each(first, events):
+        texts.setdefault(index, []).append(event.text)
+        lasts[index] = event
+    return {index: "".join(parts) for index, parts in texts.items()}, lasts
 
 
-async def _each(first: TokenEvent, events: AsyncIterator[TokenEvent]) -> AsyncIterator[TokenEvent]:
+async def _each(first: tuple[int, TokenEvent], events: Events) -> Events:
     yield first
-    async for event in events:
-        yield event
+    async for pair in events:
+        yield pair
 
 
 async def _encoded(
-    first: TokenEvent,
-    events: AsyncIterator[TokenEvent],
-    encode: Callable[[TokenEvent], list[bytes]],
-    end: bytes,
+    first: tuple[int, TokenEvent],
+    events: Events,
+    encode: Callable[[int, TokenEvent], list[bytes]],
+    end: Callable[[], list[bytes]],
     openai_errors: bool = False,
 ) -> AsyncIterator[bytes]:
-    """Each event's SSE lines; an error after the answer started is an event with the error's body (as the one
-    mapping renders it), then `end`."""
+    """Each event's SSE lines, then `end`'s; an error after the answer started is an event with the error's body (as
+    the one mapping renders it), then `end`'s."""
     try:
-        async for event in _each(first, events):
-            for line in encode(event):
+        async for index, event in _each(first, events):
+            for line in encode(index, event):
                 yield line
     except Exception as exc:  # the status is sent already: the client reads an error event
         yield sse(error_body(str(exc), getattr(exc, "status", 500), openai_errors))
-    yield end
+    for line in end():
+        yield line
 
 
 async def completions(plane: DataPlane, request: Request) -> Response:
-    """POST /openai/v1/completions: a completion, or with `stream` its chunks as server-sent events."""
+    """POST /openai/v1/completions: a completion (a choice per prompt and `n`), or with `stream` its chunks as
+    server-sent events."""
     arrived = arrival(request)
     body = await json_body(request, plane, openai.CompletionRequest)
-    first, events = await opened(plane, COMPLETIONS, body.model, lambda: openai.to_request(body), arrived)
-    completion = openai.Completion(body.model)
+    first, events = await opened(plane, COMPLETIONS, body.model, lambda: openai.to_requests(body), arrived)
+    completion = openai.Completion(body.model, openai.choices(body))
     if not body.stream:
-        text, last = await _all(first, events)
-        return json_response(completion.whole(text, last))
-    separate = body.stream_options is not None and body.stream_options.include_usage
+        texts, lasts = await _all(first, events)
+        return json_response(completion.whole(texts, lasts))
+    with_usage = body.stream_options is not None and body.stream_options.include_usage
 
-    def encode(event: TokenEvent) -> list[bytes]:
-        lines = [sse(completion.chunk(event, with_usage=not separate))]
-        if separate and event.finish_reason is not None:
-            lines.append(sse(completion.usage_chunk(event)))
-        return lines
+    def end() -> list[bytes]:
+        return [sse(completion.usage_chunk()), DONE] if with_usage else [DONE]
 
-    return EventStream(_encoded(first, events, encode, DONE, openai_errors=True), events, plane.limits.send_timeout_s)
+    encoded = _encoded(first, events, lambda i, e: [sse(completion.chunk(i, e))], end, openai_errors=True)
+    return EventStream(encoded, events, plane.limits.send_timeout_s)
 
 
 async def models(plane: DataPlane) -> Response:
@@ -158,13 +175,21 @@ async def models(plane: DataPlane) -> Response:
     return json_response(openai.model_list((await plane.listing()).statuses))
 
 
+async def model(plane: DataPlane, name: str) -> Response:
+    """GET /openai/v1/models/{name}: one decoder; 404 in OpenAI's shape for anything else."""
+    for status in (await plane.listing()).statuses:
+        if status.name == name and (entry := openai.model_entry(status)) is not None:
+            return json_response(entry)
+    raise ModelNotFoundError(f"no decoder {name!r} is served: GET /openai/v1/models lists them")
+
+
 async def generate(plane: DataPlane, request: Request, name: str) -> Response:
     """POST /v2/models/{name}/generate: the whole text and its finish reason."""
     arrived = arrival(request)
     body = await json_body(request, plane, oip.GenerateBody)
     first, events = await opened(plane, GENERATE, name, lambda: oip.to_request(body), arrived)
-    text, last = await _all(first, events)
-    return json_response(oip.answer(name, body, text, last))
+    texts, lasts = await _all(first, events)
+    return json_response(oip.answer(name, body, texts[0], lasts[0]))
 
 
 async def generate_stream(plane: DataPlane, request: Request, name: str) -> Response:
@@ -172,7 +197,7 @@ async def generate_stream(plane: DataPlane, request: Request, name: str) -> Resp
     arrived = arrival(request)
     body = await json_body(request, plane, oip.GenerateBody)
     first, events = await opened(plane, GENERATE_STREAM, name, lambda: oip.to_request(body), arrived)
-    encoded = _encoded(first, events, lambda e: [sse(oip.answer(name, body, e.text, e))], b"")
+    encoded = _encoded(first, events, lambda _, e: [sse(oip.answer(name, body, e.text, e))], lambda: [])
     return EventStream(encoded, events, plane.limits.send_timeout_s)
 
 
@@ -194,6 +219,14 @@ def add_routes(app: FastAPI, plane: DataPlane) -> None:
     async def openai_models() -> Response:
         """The decoders, in OpenAI's list format."""
         return await models(plane)
+
+    @app.get(
+        "/openai/v1/models/{name}",
+        responses=openapi.responses(openai.Model, 404, openai=True),
+    )
+    async def openai_model(name: str) -> Response:
+        """One decoder, in OpenAI's model format."""
+        return await model(plane, name)
 
     @app.post(
         "/v2/models/{name}/generate",

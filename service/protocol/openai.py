@@ -1,14 +1,17 @@
-"""OpenAI's completions wire format (`/openai/v1`, as KServe's OpenAI data plane): the request decoded into a
-GenerateRequest, and the answer, whole or as stream chunks, encoded from the token events. What is not built (n > 1,
-best_of, logprobs, echo, suffix, penalties, logit_bias) is a 400 that says so. No torch.
+"""OpenAI's completions wire format (`/openai/v1`, as KServe's OpenAI data plane): the request decoded into
+GenerateRequests, one per choice (each prompt of a batch, `n` times), and the answer, whole or as stream chunks,
+encoded from their token events. What is not built (best_of, logprobs, echo, suffix, penalties, logit_bias) is a 400
+that says so. No torch.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import replace
 from typing import Any, Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from contract.decoder_metadata import DecoderMetadata
@@ -18,6 +21,8 @@ from service.inference import ModelStatus
 
 # Why a sequence ended, as OpenAI says it: "stop" for a stop string or EOS, "length" at max_tokens; vLLM's "abort".
 FINISH = OPENAI_FINISH_REASONS
+MAX_N = 16  # choices of one prompt
+MAX_CHOICES = 64  # choices of one request, every prompt's together: each is a sequence in the engine
 
 
 class StreamOptions(BaseModel):
@@ -30,7 +35,10 @@ class CompletionRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     model: str = Field(description="a decoder's name (GET /openai/v1/models)")
-    prompt: str | list[StrictInt] = Field(description="text (the byte tokenizer, BOS first) or token ids as they are")
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]] = Field(
+        description="text (the byte tokenizer, BOS first) or token ids as they are; a list of either is a batch: "
+        "n choices each, numbered prompt x n + choice"
+    )
     max_tokens: int | None = Field(16, description="tokens to generate at most; prompt + max_tokens <= the context")
     temperature: float | None = Field(1.0, description="0: greedy")
     top_p: float | None = Field(1.0, description="nucleus sampling: (0, 1]")
@@ -41,8 +49,12 @@ class CompletionRequest(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = Field(False, description="go on past EOS up to max_tokens (vLLM's, for benchmarks)")
     user: str | None = Field(None, description="accepted and not used")
-    n: int | None = Field(1, description="1 only")
-    best_of: int | None = Field(None, description="1 or null only")
+    n: int | None = Field(
+        1,
+        description=f"choices per prompt, 1 to {MAX_N}; with a seed, choice j > 0 draws from "
+        "the seed's j-th child, so a request gives the same choices alone or batched",
+    )
+    best_of: int | None = Field(None, description="null, 1 or n only")
     logprobs: int | None = Field(None, description="null only: not built")
     echo: bool | None = Field(False, description="false only: not built")
     suffix: str | None = Field(None, description="null only: not built")
@@ -53,8 +65,7 @@ class CompletionRequest(BaseModel):
 
 def _unsupported(body: CompletionRequest) -> list[str]:
     given = [
-        ("n", body.n not in (None, 1)),
-        ("best_of", body.best_of not in (None, 1)),
+        ("best_of", body.best_of not in (None, 1, body.n)),
         ("logprobs", body.logprobs is not None),
         ("echo", bool(body.echo)),
         ("suffix", bool(body.suffix)),
@@ -65,11 +76,34 @@ def _unsupported(body: CompletionRequest) -> list[str]:
     return [f"{name}={getattr(body, name)!r}" for name, bad in given if bad]
 
 
-def to_request(body: CompletionRequest) -> GenerateRequest:
-    """The engine's request; BadRequestError (400) for what is not supported, SamplingParamsError for bad values."""
+def prompts(body: CompletionRequest) -> list[str | tuple[int, ...]]:
+    """The request's prompts: one, or a batch's (a list of strings, or of token-id lists)."""
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise BadRequestError("prompt is an empty list: give text, token ids, or a list of either")
+    if isinstance(prompt[0], int):
+        return [tuple(prompt)]
+    return [p if isinstance(p, str) else tuple(p) for p in prompt]
+
+
+def choices(body: CompletionRequest) -> int:
+    """`n`: choices per prompt."""
+    return 1 if body.n is None else body.n
+
+
+def to_requests(body: CompletionRequest) -> list[GenerateRequest]:
+    """The engine's requests, choice j of prompt i at index i x n + j; BadRequestError (400) for what is not
+    supported or out of bounds, SamplingParamsError for bad values. The engine's checks of a batch's prompt name it."""
     unsupported = _unsupported(body)
     if unsupported:
-        raise BadRequestError(f"not supported: {', '.join(unsupported)} (one choice, no logprobs, echo or suffix)")
+        raise BadRequestError(f"not supported: {', '.join(unsupported)} (no best_of, logprobs, echo or suffix)")
+    n, batch = choices(body), prompts(body)
+    if isinstance(n, bool) or not 1 <= n <= MAX_N:
+        raise BadRequestError(f"n={body.n!r} must be 1 to {MAX_N}")
+    if len(batch) * n > MAX_CHOICES:
+        raise BadRequestError(f"{len(batch)} prompts x n={n} is {len(batch) * n} choices, over {MAX_CHOICES} a request")
     params = SamplingParams(
         max_tokens=16 if body.max_tokens is None else body.max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
@@ -79,53 +113,77 @@ def to_request(body: CompletionRequest) -> GenerateRequest:
         stop=body.stop,
         ignore_eos=body.ignore_eos,
     )
-    return GenerateRequest(body.prompt if isinstance(body.prompt, str) else tuple(body.prompt), params)
+    requests = []
+    for i, prompt in enumerate(batch):
+        label = f"prompt {i}" if len(batch) > 1 else ""
+        for j in range(n):
+            choice = params if j == 0 or params.seed is None else replace(params, seed=child_seed(params.seed, j))
+            requests.append(GenerateRequest(prompt, choice, label=label))
+    return requests
+
+
+def child_seed(seed: int, j: int) -> int:
+    """Choice j's seed, drawn from `seed` and j alone (never the batch or the order of arrival)."""
+    return int(np.random.SeedSequence([seed, j]).generate_state(1, np.uint64)[0])
 
 
 class Completion:
-    """One completion's identity, shared by its chunks."""
+    """One completion's identity, shared by its chunks, and the usage of its choices so far: each prompt's tokens
+    once, every choice's generated tokens."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, n: int = 1) -> None:
         self.id, self.created, self.model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), model
+        self._n = n
+        self._prompt = self._completion = 0
 
     def _envelope(self, choices: list[dict[str, Any]], usage: dict[str, int] | None) -> dict[str, Any]:
         out = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model}
         return out | {"choices": choices, "usage": usage}
 
-    def whole(self, text: str, last: TokenEvent) -> dict[str, Any]:
-        return self._envelope([_choice(text, last.finish_reason)], usage(last))
+    def ended(self, index: int, last: TokenEvent) -> None:
+        """Choice `index` ended with `last` (its usage counted)."""
+        if last.usage is not None:
+            self._prompt += last.usage.prompt_tokens if index % self._n == 0 else 0
+            self._completion += last.usage.completion_tokens
 
-    def chunk(self, event: TokenEvent, with_usage: bool) -> dict[str, Any]:
-        """A stream chunk: the event's text delta; the last one has the finish_reason (and the usage unless a
-        separate usage chunk was asked for)."""
-        last = event.finish_reason is not None
-        return self._envelope([_choice(event.text, event.finish_reason)], usage(event) if last and with_usage else None)
+    def whole(self, texts: dict[int, str], lasts: dict[int, TokenEvent]) -> dict[str, Any]:
+        """Every choice's text and last event, by index."""
+        for index, last in lasts.items():
+            self.ended(index, last)
+        return self._envelope([_choice(i, texts[i], lasts[i].finish_reason) for i in sorted(texts)], self.usage())
 
-    def usage_chunk(self, last: TokenEvent) -> dict[str, Any]:
-        return self._envelope([], usage(last))
+    def chunk(self, index: int, event: TokenEvent) -> dict[str, Any]:
+        """A stream chunk: choice `index`'s text delta; its last has the finish_reason."""
+        if event.finish_reason is not None:
+            self.ended(index, event)
+        return self._envelope([_choice(index, event.text, event.finish_reason)], None)
+
+    def usage_chunk(self) -> dict[str, Any]:
+        """The stream's last chunk when `stream_options.include_usage` asks: no choices, the usage."""
+        return self._envelope([], self.usage())
+
+    def usage(self) -> dict[str, int]:
+        prompt, completion = self._prompt, self._completion
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _choice(text: str, finish_reason: str | None) -> dict[str, Any]:
+def _choice(index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
     reason = None if finish_reason is None else FINISH.get(finish_reason, finish_reason)
-    return {"text": text, "index": 0, "logprobs": None, "finish_reason": reason}
+    return {"text": text, "index": index, "logprobs": None, "finish_reason": reason}
 
 
-def usage(event: TokenEvent) -> dict[str, int] | None:
-    if event.usage is None:
+def model_entry(status: ModelStatus) -> dict[str, Any] | None:
+    """A ready decoder as OpenAI's model object (with its context length and heads); None for anything else."""
+    meta = status.metadata
+    if not (status.ready and isinstance(meta, DecoderMetadata)):
         return None
-    prompt, completion = event.usage.prompt_tokens, event.usage.completion_tokens
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    entry = {"id": status.name, "object": "model", "created": 0, "owned_by": "mha-serving"}
+    return entry | {"max_model_len": meta.max_len, "heads": meta.heads, "kv_heads": meta.kv_heads}
 
 
 def model_list(statuses: list[ModelStatus]) -> dict[str, Any]:
-    """GET /openai/v1/models: the ready decoders, in OpenAI's list format (with their context length)."""
-    data = []
-    for status in statuses:
-        meta = status.metadata
-        if status.ready and isinstance(meta, DecoderMetadata):
-            entry = {"id": status.name, "object": "model", "created": 0, "owned_by": "mha-serving"}
-            data.append(entry | {"max_model_len": meta.max_len, "heads": meta.heads, "kv_heads": meta.kv_heads})
-    return {"object": "list", "data": data}
+    """GET /openai/v1/models: the ready decoders, in OpenAI's list format."""
+    return {"object": "list", "data": [entry for status in statuses if (entry := model_entry(status)) is not None]}
 
 
 class Model(BaseModel):
@@ -159,8 +217,9 @@ class Usage(BaseModel):
 
 
 class CompletionResponse(BaseModel):
-    """A completion (`stream: false`); with `stream: true`, server-sent events of chunks of this shape (`usage` on
-    the last, or in a chunk of its own with `stream_options.include_usage`), then `data: [DONE]`."""
+    """A completion (`stream: false`), a choice per prompt and `n`; with `stream: true`, server-sent events of chunks
+    of this shape, each with one choice's text delta and its index (`usage` null, and in a last chunk of its own,
+    with no choices, only when `stream_options.include_usage` asks), then `data: [DONE]`."""
 
     id: str
     object: Literal["text_completion"]

@@ -94,7 +94,7 @@ async def _model_generate(
     body = generation.to_body(message)
     events = plane.generate(GRPC_GENERATE, message.model_name, lambda: generation.to_request(message, body, arrived))
     try:
-        async for event in events:
+        async for _, event in events:  # one choice
             yield generation.to_response(message.model_name, body, event)
     finally:
         await events.aclose()
