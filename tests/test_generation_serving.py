@@ -280,5 +280,9 @@ def test_the_generation_metrics_carry_the_kv_heads_and_count_the_disconnect(serv
         time.sleep(1)
     for name, labels in wanted.items():
         assert series_total(text, name, **labels) > 0, (name, labels, re.findall(rf"^{name}.*$", text, re.M)[:5])
+    served = httpx.get(f"http://127.0.0.1:{server.port}/metrics", timeout=10)  # where aiperf and GenAI-Perf look
+    assert served.status_code == 200 and served.headers["content-type"].startswith("text/plain")
+    for name, labels in wanted.items():
+        assert series_total(served.text, name, **labels) >= series_total(text, name, **labels) > 0, name
     # the whole completion, the few tokens of the one cancelled, the 8 after it: far from two whole ones
     assert KV_TOKENS - 1 <= series_total(text, "ray_mha_generation_tokens_total", model=LONG) < 2 * (KV_TOKENS - 1)

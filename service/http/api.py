@@ -20,7 +20,7 @@ from starlette.routing import BaseRoute, Match
 from service import attention_api, openapi
 from service.dataplane import DataPlane
 from service.errors import ServiceError
-from service.http import generate, inference, openapi_doc
+from service.http import generate, inference, metrics_relay, openapi_doc
 from service.http import repository as http_repository
 from service.http.limits import RequestLimitsMiddleware, over_limits
 from service.protocol import simple, v2
@@ -49,6 +49,7 @@ def create_app(plane: DataPlane, repository: Repository | None = None) -> FastAP
     if repository is not None and repository.enabled:
         http_repository.add_routes(app, repository, plane.metrics, plane.limits)
     openapi_doc.add_routes(app, plane, lambda models, routes, bounds: document(app, models, bounds, routes))
+    metrics_relay.add_routes(app)
     return app
 
 
