@@ -81,6 +81,14 @@ def tokenizer_json() -> dict[str, object]:
     }
 
 
+# The byte-level models' chat template (Jinja, as Hugging Face's, vLLM and ORT GenAI read it): a line per message,
+# "role: content", then "assistant:" for the reply. BOS is the tokenizer's, so the template writes none.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
 def tokenizer_config_json(max_len: int) -> dict[str, object]:
     """tokenizer_config.json's contents: the class runtimes pick a loader by, the special tokens, BOS added."""
     return {
@@ -94,6 +102,7 @@ def tokenizer_config_json(max_len: int) -> dict[str, object]:
         "add_prefix_space": False,
         "model_max_length": max_len,
         "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
     }
 
 

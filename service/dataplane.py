@@ -70,6 +70,7 @@ class DataPlane:
     def __init__(self, config: AppConfig, placements: dict[str, ModelPlacement]) -> None:
         self.limits = config.limits
         self.server_name = config.server_name
+        self.models_dir = config.models_dir
         self.load = Load()
         self._generating = 0  # generation requests admitted and not yet ended (their share of max_in_flight)
         self.metrics = IngressMetrics()
@@ -168,20 +169,21 @@ class DataPlane:
         self,
         endpoint: Endpoint,
         name: str,
-        request: GenerateRequest | Callable[[], GenerateRequest | list[GenerateRequest]],
+        request: GenerateRequest | Callable[[str], GenerateRequest | list[GenerateRequest]],
     ) -> AsyncIterator[tuple[int, TokenEvent]]:
         """A generation request's token events, each with its choice's index (a request may be several sequences:
         a list of requests, a batch's prompts and their choices); each choice's last event has a finish_reason,
         usage and timing. Admitted like any request (its 503s, a full queue, a queue timeout or generation's share of
         max_in_flight, are rejections), its sequences counted in that share, until its last event is taken; a
         consumer that stops (a client gone) ends them within a step. `request` may be a callable that builds it once
-        admitted (its 400s counted too). Time counts from the request's arrival."""
+        admitted, given the model the request goes to (a route's target; its 400s counted too). Time counts from the
+        request's arrival."""
         called = time.perf_counter()
         async with self.admit(endpoint, name) as call:
             placement = self.models.placement(call.target)
             if not getattr(placement, "generates", False):
                 raise not_a_decoder(call.target)
-            built = request() if callable(request) else request
+            built = request(call.target) if callable(request) else request
             requests = [built] if isinstance(built, GenerateRequest) else built
             requests = [r if r.arrived is not None else dataclasses.replace(r, arrived=called) for r in requests]
             with self._generation_slot(len(requests)):

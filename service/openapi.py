@@ -110,9 +110,10 @@ def request_schemas(bounds: Bounds) -> dict[str, Schema]:
 
 def generation_schemas() -> dict[str, Schema]:
     """The generation routes' request bodies (and their parts): OpenAI's completions, the OIP generate."""
-    from service.protocol import generate, openai  # the engine's modules: loaded with the routes that use them
+    from service.protocol import chat, generate, openai  # the engine's modules: loaded with the routes that use them
 
-    bodies = [(openai.CompletionRequest, "validation"), (generate.GenerateBody, "validation")]
+    bodies = [(openai.CompletionRequest, "validation"), (chat.ChatCompletionRequest, "validation")]
+    bodies += [(generate.GenerateBody, "validation")]
     _, defs = models_json_schema(bodies, ref_template=REF)
     return defs["$defs"]
 

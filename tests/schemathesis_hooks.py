@@ -41,4 +41,5 @@ def filter_failure(context, failure, case, response) -> bool:
     if not isinstance(failure, RejectedPositiveData) or response.status_code != 400:
         return True
     error = response.json().get("error", "")
+    error = error.get("message", "") if isinstance(error, dict) else error  # OpenAI's shape under /openai/
     return not any(re.search(pattern, error) for pattern in UNSTATABLE.values())

@@ -105,7 +105,7 @@ def test_a_client_gone_counts_its_end_to_end_latency_from_the_requests_arrival(m
 
 
 def test_a_generation_request_that_fails_to_decode_is_admitted_first_and_counted_as_a_400(models_dir):
-    def decoded() -> GenerateRequest:
+    def decoded(model: str) -> GenerateRequest:
         return GenerateRequest("hi", SamplingParams(temperature=-1.0))
 
     async def test(plane: DataPlane, recorded: _Recorded) -> None:

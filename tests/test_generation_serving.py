@@ -27,6 +27,7 @@ from service.generating import ColocatedDecoder
 
 LM = "lm-h4-kv1-d32"  # the tiny decoder: context 64
 LONG = "lm-h4-kv4-d32"  # a decoder with a long context (2048): its streams last seconds, for the disconnect test
+NO_TEMPLATE = LONG  # its tokenizer_config.json has no chat template
 CLASSIFIER = "mha-h2-d32"
 KV_TOKENS = 2048  # generate.kv_cache_tokens: one full context of LONG, so a second LONG sequence waits for the first
 PROMPT = "def f(x):"
@@ -40,6 +41,10 @@ def server(tmp_path_factory):
     out = tmp_path_factory.mktemp("generation-models")
     export_tiny_decoder(out, 1, 64, seed=1)
     export_tiny_decoder(out, 4, KV_TOKENS, seed=4)
+    config_file = out / NO_TEMPLATE / "tokenizer_config.json"  # a decoder exported before chat templates
+    config_file.write_text(
+        json.dumps({k: v for k, v in json.loads(config_file.read_text()).items() if k != "chat_template"})
+    )
     export_tiny_model(out, heads=2, seed=2)
     config = {
         "models_dir": str(out),
@@ -127,6 +132,48 @@ def test_n_seeded_choices_repeat_choice_zero_is_the_single_completion_and_they_d
     assert len(set(three)) == 3, three  # each choice its own draws: the seed's children, not the seed again
     batched = client.completions.create(**sampled | {"prompt": ["x", PROMPT]}, n=3)
     assert [c.text for c in batched.choices[3:]] == three  # the same choices, second in a batch
+
+
+def test_a_chat_is_the_completion_of_its_messages_rendered_by_the_models_template_streamed_alike(client):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "def f(x):"}]
+    rendered = "system: Be brief.\nuser: def f(x):\nassistant:"  # export's template for the byte-level models
+    asked = {"max_tokens": 12, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    completion = client.completions.create(model=LM, prompt=rendered, **asked)
+    reply = client.chat.completions.create(model=LM, messages=messages, **asked)
+    assert reply.object == "chat.completion" and reply.id.startswith("chatcmpl-")
+    assert (
+        reply.choices[0].message.role == "assistant" and reply.choices[0].message.content == completion.choices[0].text
+    )
+    assert reply.usage.model_dump() == completion.usage.model_dump()
+    chunks = list(
+        client.chat.completions.create(model=LM, messages=messages, stream=True, n=2, **asked | {"max_tokens": None})
+    )
+    assert {c.object for c in chunks} == {"chat.completion.chunk"}
+    firsts = {}
+    texts: dict[int, str] = {}
+    for chunk in chunks:
+        choice = chunk.choices[0]
+        firsts.setdefault(choice.index, choice.delta.role)
+        texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+    assert firsts == {0: "assistant", 1: "assistant"}  # each choice's first delta names the role
+    default = client.completions.create(model=LM, prompt=rendered, **asked | {"max_tokens": None}).choices[0].text
+    assert texts == {0: default, 1: default}  # greedy twice; max_tokens 16 when none is given
+    parts = [{"role": "user", "content": [{"type": "text", "text": "def f"}, {"type": "text", "text": "(x):"}]}]
+    assert client.chat.completions.create(model=LM, messages=parts, **asked).choices[0].message.content == (
+        client.chat.completions.create(model=LM, messages=messages[1:], **asked).choices[0].message.content
+    )
+
+
+def test_a_chat_with_a_model_without_a_template_or_a_malformed_message_is_a_400_saying_why(client, http):
+    with pytest.raises(openai.BadRequestError, match=f"model '{NO_TEMPLATE}' has no chat template"):
+        client.chat.completions.create(model=NO_TEMPLATE, messages=[{"role": "user", "content": "hi"}])
+    for message in ({"content": "hi"}, {"role": "robot", "content": "hi"}):
+        answer = http.post("/openai/v1/chat/completions", json={"model": LM, "messages": [message]})
+        assert answer.status_code == 400 and "role" in answer.json()["error"]["message"], answer.text
+    empty = http.post("/openai/v1/chat/completions", json={"model": LM, "messages": []})
+    assert empty.status_code == 400 and "messages" in empty.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError, match="not supported: logprobs=True"):
+        client.chat.completions.create(model=LM, messages=[{"role": "user", "content": "hi"}], logprobs=True)
 
 
 def test_a_decoder_is_retrieved_by_name_and_an_unknown_one_is_a_404_in_openais_shape(client, http):

@@ -30,7 +30,7 @@ class Behind:
 
 
 def _first(admit) -> InferenceFirst:
-    plane = SimpleNamespace(limits=RequestLimits(), admit=admit)
+    plane = SimpleNamespace(limits=RequestLimits(), admit=admit, models_dir="models")
     return InferenceFirst(Behind(plane), plane)
 
 

@@ -41,7 +41,7 @@ def document() -> dict:
     """The document of the one application over SMALL and WIDE, and a route, with the model repository API turned
     on: its routes, the names served and the models' limits."""
     names = [SMALL.name, WIDE.name]
-    plane = SimpleNamespace(limits=LIMITS, model_names=names, metrics=None)
+    plane = SimpleNamespace(limits=LIMITS, model_names=names, metrics=None, models_dir="models")
     repository = SimpleNamespace(enabled=True, header=RepositorySettings().header)  # reached only by requests
     app = create_app(plane, repository)
     return build_document(app, names, Bounds.of(LIMITS.max_rows, [SMALL, WIDE]), [ROUTE])
@@ -200,7 +200,7 @@ def test_the_bodies_state_the_tightest_limits_of_the_served_models(document):
 
 def test_a_model_that_takes_no_text_leaves_text_out_of_every_body():
     ids_only = ModelMetadata("ids-model", 2, 16, 32, 1, 260, 8, 2, ("a", "b"), tokenizer="ids")
-    app = create_app(SimpleNamespace(limits=LIMITS, model_names=[ids_only.name]))
+    app = create_app(SimpleNamespace(limits=LIMITS, model_names=[ids_only.name], models_dir="models"))
     doc = build_document(app, [ids_only.name], Bounds.of(LIMITS.max_rows, [ids_only]))
     assert not valid(doc, "InferRequest", text_input(shape=[1], data=["a"])) and "TextInput" not in doc["components"]
     assert not valid(doc, "PredictRequest", {"text": "a"}) and not valid(doc, "PredictRequest", {"texts": ["a"]})

@@ -290,7 +290,7 @@ include-name = "PUT /v2/repository/routes/{route}"
 generation.max-examples = 10
 
 [[operations]]
-include-path-regex = "^/(openai/v1/(completions|models/)|v2/models/[^/]+/generate)"
+include-path-regex = "^/(openai/v1/(completions|chat/completions|models/)|v2/models/[^/]+/generate)"
 # No decoder in this models folder: generation asked of a classifier is a 400, of an unknown model a 404, and OpenAI's
 # model object of either a 404.
 checks.positive_data_acceptance.expected-statuses = ["2xx", "400", "404"]

@@ -78,7 +78,7 @@ class EndlessDecoder:
         self.closed_at: float | None = None
 
     async def generate(self, endpoint, name, build):
-        build()
+        build(name)
         try:
             while True:
                 await asyncio.sleep(0.001)

@@ -20,17 +20,19 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from service import openapi
+from service.chat_template import ChatTemplates
 from service.dataplane import DataPlane, Endpoint
 from service.errors import ModelNotFoundError
 from service.generate import GenerateRequest, TokenEvent
 from service.http.inference import json_body
 from service.http.uvicorn_adapter import ABORT, ARRIVED
+from service.protocol import chat, openai
 from service.protocol import generate as oip
-from service.protocol import openai
 from service.responses import error_body, json_response
 
 logger = logging.getLogger(__name__)
 COMPLETIONS = Endpoint("openai_completions")
+CHAT_COMPLETIONS = Endpoint("openai_chat_completions")
 GENERATE = Endpoint("v2_generate")
 GENERATE_STREAM = Endpoint("v2_generate_stream")
 DONE = b"data: [DONE]\n\n"
@@ -96,14 +98,15 @@ async def opened(
     plane: DataPlane,
     endpoint: Endpoint,
     name: str,
-    build: Callable[[], GenerateRequest | list[GenerateRequest]],
+    build: Callable[[str], GenerateRequest | list[GenerateRequest]],
     arrived: float,
 ) -> tuple[tuple[int, TokenEvent], Events]:
     """The request's first event (admitted, queued, a prefill run) and the rest; raises what refused it. `build`
-    makes the request, or its choices (the data plane calls it once admitted), timed from `arrived`."""
+    makes the request, or its choices, for the model it goes to (the data plane calls it once admitted), timed from
+    `arrived`."""
 
-    def stamped() -> GenerateRequest | list[GenerateRequest]:
-        built = build()
+    def stamped(model: str) -> GenerateRequest | list[GenerateRequest]:
+        built = build(model)
         if isinstance(built, GenerateRequest):
             return dataclasses.replace(built, arrived=arrived)
         return [dataclasses.replace(r, arrived=arrived) for r in built]
@@ -156,8 +159,31 @@ async def completions(plane: DataPlane, request: Request) -> Response:
     server-sent events."""
     arrived = arrival(request)
     body = await json_body(request, plane, openai.CompletionRequest)
-    first, events = await opened(plane, COMPLETIONS, body.model, lambda: openai.to_requests(body), arrived)
-    completion = openai.Completion(body.model, openai.choices(body))
+    first, events = await opened(plane, COMPLETIONS, body.model, lambda _: openai.to_requests(body), arrived)
+    return await _answered(plane, body, openai.Completion(body.model, openai.choices(body)), first, events)
+
+
+async def chat_completions(plane: DataPlane, templates: ChatTemplates, request: Request) -> Response:
+    """POST /openai/v1/chat/completions: the messages rendered by the model's chat template, then as a completion
+    of that prompt, answered in the chat format."""
+    arrived = arrival(request)
+    body = await json_body(request, plane, chat.ChatCompletionRequest)
+
+    def build(model: str) -> list[GenerateRequest]:
+        return openai.to_requests(chat.as_completion(body, templates.render(model, chat.messages(body))))
+
+    first, events = await opened(plane, CHAT_COMPLETIONS, body.model, build, arrived)
+    return await _answered(plane, body, chat.ChatCompletion(body.model, openai.choices(body)), first, events)
+
+
+async def _answered(
+    plane: DataPlane,
+    body: openai.CompletionRequest | chat.ChatCompletionRequest,
+    completion: openai.Completion,
+    first: tuple[int, TokenEvent],
+    events: Events,
+) -> Response:
+    """The whole completion, or its chunks as server-sent events (the usage last, when asked)."""
     if not body.stream:
         texts, lasts = await _all(first, events)
         return json_response(completion.whole(texts, lasts))
@@ -187,7 +213,7 @@ async def generate(plane: DataPlane, request: Request, name: str) -> Response:
     """POST /v2/models/{name}/generate: the whole text and its finish reason."""
     arrived = arrival(request)
     body = await json_body(request, plane, oip.GenerateBody)
-    first, events = await opened(plane, GENERATE, name, lambda: oip.to_request(body), arrived)
+    first, events = await opened(plane, GENERATE, name, lambda _: oip.to_request(body), arrived)
     texts, lasts = await _all(first, events)
     return json_response(oip.answer(name, body, texts[0], lasts[0]))
 
@@ -196,7 +222,7 @@ async def generate_stream(plane: DataPlane, request: Request, name: str) -> Resp
     """POST /v2/models/{name}/generate_stream: an event per text delta, the last with `details`."""
     arrived = arrival(request)
     body = await json_body(request, plane, oip.GenerateBody)
-    first, events = await opened(plane, GENERATE_STREAM, name, lambda: oip.to_request(body), arrived)
+    first, events = await opened(plane, GENERATE_STREAM, name, lambda _: oip.to_request(body), arrived)
     encoded = _encoded(first, events, lambda _, e: [sse(oip.answer(name, body, e.text, e))], lambda: [])
     return EventStream(encoded, events, plane.limits.send_timeout_s)
 
@@ -214,6 +240,18 @@ def add_routes(app: FastAPI, plane: DataPlane) -> None:
         """OpenAI's completions: a decoder's text for a prompt (text or token ids); `stream: true` for
         server-sent events."""
         return await completions(plane, request)
+
+    templates = ChatTemplates(plane.models_dir)
+
+    @app.post(
+        "/openai/v1/chat/completions",
+        openapi_extra=openapi.request_body(chat.ChatCompletionRequest),
+        responses=openapi.responses(chat.ChatCompletionResponse, *errors, event_stream=True, openai=True),
+    )
+    async def openai_chat_completions(request: Request) -> Response:
+        """OpenAI's chat completions: the messages rendered by the decoder's chat template (its folder's
+        tokenizer_config.json); `stream: true` for server-sent events."""
+        return await chat_completions(plane, templates, request)
 
     @app.get("/openai/v1/models", responses=openapi.responses(openai.ModelList, openai=True))
     async def openai_models() -> Response:

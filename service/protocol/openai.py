@@ -131,13 +131,16 @@ class Completion:
     """One completion's identity, shared by its chunks, and the usage of its choices so far: each prompt's tokens
     once, every choice's generated tokens."""
 
+    prefix, object, chunk_object = "cmpl", "text_completion", "text_completion"
+
     def __init__(self, model: str, n: int = 1) -> None:
-        self.id, self.created, self.model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), model
+        self.id, self.created, self.model = f"{self.prefix}-{uuid.uuid4().hex}", int(time.time()), model
         self._n = n
         self._prompt = self._completion = 0
 
-    def _envelope(self, choices: list[dict[str, Any]], usage: dict[str, int] | None) -> dict[str, Any]:
-        out = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model}
+    def _envelope(self, choices: list[dict[str, Any]], usage: dict[str, int] | None, chunk: bool = False) -> dict:
+        kind = self.chunk_object if chunk else self.object
+        out = {"id": self.id, "object": kind, "created": self.created, "model": self.model}
         return out | {"choices": choices, "usage": usage}
 
     def ended(self, index: int, last: TokenEvent) -> None:
@@ -156,11 +159,11 @@ class Completion:
         """A stream chunk: choice `index`'s text delta; its last has the finish_reason."""
         if event.finish_reason is not None:
             self.ended(index, event)
-        return self._envelope([_choice(index, event.text, event.finish_reason)], None)
+        return self._envelope([_choice(index, event.text, event.finish_reason)], None, chunk=True)
 
     def usage_chunk(self) -> dict[str, Any]:
         """The stream's last chunk when `stream_options.include_usage` asks: no choices, the usage."""
-        return self._envelope([], self.usage())
+        return self._envelope([], self.usage(), chunk=True)
 
     def usage(self) -> dict[str, int]:
         prompt, completion = self._prompt, self._completion

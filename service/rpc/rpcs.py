@@ -92,7 +92,7 @@ async def _model_generate(
     arrived = time.perf_counter()  # the handler's start: gRPC tells no time of arrival
     check_body_size(message.ByteSize(), plane.limits)  # as ModelInfer: Serve's proxy takes up to 2 GiB
     body = generation.to_body(message)
-    events = plane.generate(GRPC_GENERATE, message.model_name, lambda: generation.to_request(message, body, arrived))
+    events = plane.generate(GRPC_GENERATE, message.model_name, lambda _: generation.to_request(message, body, arrived))
     try:
         async for _, event in events:  # one choice
             yield generation.to_response(message.model_name, body, event)

@@ -1,0 +1,149 @@
+"""OpenAI's chat completions (`/openai/v1/chat/completions`): the messages rendered by the model's chat template into
+one prompt (service/chat_template.py), then the same choices as a completion's (service/protocol/openai.py), answered
+in the chat format: a message per choice, or a stream of deltas. What is not built (logprobs, tools, penalties,
+logit_bias) is a 400 that says so. No torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from service.errors import BadRequestError
+from service.generate import TokenEvent
+from service.protocol import openai
+from service.protocol.openai import MAX_N, StreamOptions
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    """A message of the conversation: its role and its text (a string, or text parts)."""
+
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = Field(None, description="accepted and not used")
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(BaseModel):
+    """POST /openai/v1/chat/completions: OpenAI's fields, and vLLM's `top_k` and `ignore_eos`."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str = Field(description="a decoder's name (GET /openai/v1/models) with a chat template")
+    messages: list[Message] = Field(min_length=1, description="the conversation, rendered by the model's template")
+    max_completion_tokens: int | None = Field(None, description="tokens to generate at most (max_tokens's new name)")
+    max_tokens: int | None = Field(None, description="tokens to generate at most; 16 when neither is given")
+    temperature: float | None = Field(1.0, description="0: greedy")
+    top_p: float | None = Field(1.0, description="nucleus sampling: (0, 1]")
+    top_k: int | None = Field(None, description="the k most likely tokens only (vLLM's); 0 or null: all")
+    seed: int | None = Field(None, description="the same seed gives the same text, alone or batched with others")
+    stop: str | list[str] | None = Field(None, description="up to 16 strings; the text ends before the first found")
+    n: int | None = Field(1, description=f"choices, 1 to {MAX_N}; seeded as a completion's")
+    stream: bool = Field(False, description="server-sent events: a chunk per text delta, then `data: [DONE]`")
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = Field(False, description="go on past EOS up to max_tokens (vLLM's, for benchmarks)")
+    user: str | None = Field(None, description="accepted and not used")
+    logprobs: bool | None = Field(False, description="false only: not built")
+    top_logprobs: int | None = Field(None, description="null only: not built")
+    presence_penalty: float | None = Field(0.0, description="0 only: not built")
+    frequency_penalty: float | None = Field(0.0, description="0 only: not built")
+    logit_bias: dict[str, float] | None = Field(None, description="null or {} only: not built")
+
+
+def _unsupported(body: ChatCompletionRequest) -> list[str]:
+    given = [
+        ("logprobs", bool(body.logprobs)),
+        ("top_logprobs", body.top_logprobs is not None),
+        ("presence_penalty", body.presence_penalty not in (None, 0)),
+        ("frequency_penalty", body.frequency_penalty not in (None, 0)),
+        ("logit_bias", bool(body.logit_bias)),
+    ]
+    return [f"{name}={getattr(body, name)!r}" for name, bad in given if bad]
+
+
+def as_completion(body: ChatCompletionRequest, prompt: str) -> openai.CompletionRequest:
+    """The completion the chat asks for, of the rendered `prompt`: one request path from here on."""
+    unsupported = _unsupported(body)
+    if unsupported:
+        raise BadRequestError(f"not supported: {', '.join(unsupported)} (no logprobs)")
+    if body.max_tokens is not None and body.max_completion_tokens not in (None, body.max_tokens):
+        raise BadRequestError("give max_completion_tokens or max_tokens (its old name), not two different values")
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    fields = ("temperature", "top_p", "top_k", "seed", "stop", "n", "ignore_eos")
+    chosen = {name: getattr(body, name) for name in fields}
+    return openai.CompletionRequest(
+        model=body.model, prompt=prompt, max_tokens=16 if max_tokens is None else max_tokens, **chosen
+    )
+
+
+def messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
+    """The messages as a chat template takes them."""
+    return [{"role": m.role, "content": m.text()} for m in body.messages]
+
+
+class ChatCompletion(openai.Completion):
+    """A chat completion's identity and usage, its choices as messages, or as deltas (the first of each choice with
+    its role)."""
+
+    prefix, object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
+
+    def __init__(self, model: str, n: int = 1) -> None:
+        super().__init__(model, n)
+        self._started: set[int] = set()
+
+    def whole(self, texts: dict[int, str], lasts: dict[int, TokenEvent]) -> dict[str, Any]:
+        for index, last in lasts.items():
+            self.ended(index, last)
+        message = {i: {"role": "assistant", "content": texts[i]} for i in texts}
+        return self._envelope(
+            [_choice(i, "message", message[i], lasts[i].finish_reason) for i in sorted(texts)], self.usage()
+        )
+
+    def chunk(self, index: int, event: TokenEvent) -> dict[str, Any]:
+        if event.finish_reason is not None:
+            self.ended(index, event)
+        delta = {"content": event.text}
+        if index not in self._started:
+            self._started.add(index)
+            delta = {"role": "assistant", **delta}
+        return self._envelope([_choice(index, "delta", delta, event.finish_reason)], None, chunk=True)
+
+
+def _choice(index: int, key: str, message: dict[str, str], finish_reason: str | None) -> dict[str, Any]:
+    reason = None if finish_reason is None else openai.FINISH.get(finish_reason, finish_reason)
+    return {"index": index, key: message, "logprobs": None, "finish_reason": reason}
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(BaseModel):
+    """A chat completion (`stream: false`), a choice per `n`; with `stream: true`, server-sent events of
+    `chat.completion.chunk`s whose choices carry a `delta` (the first of each choice with its `role`) in place of
+    `message` (`usage` null, and in a last chunk of its own only when `stream_options.include_usage` asks), then
+    `data: [DONE]`."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: openai.Usage | None
