@@ -11,7 +11,6 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from service.errors import BadRequestError
-from service.generate import TokenEvent
 from service.protocol import openai
 from service.protocol.openai import MAX_N, StreamOptions
 
@@ -100,27 +99,13 @@ class ChatCompletion(openai.Completion):
         super().__init__(model, n)
         self._started: set[int] = set()
 
-    def whole(self, texts: dict[int, str], lasts: dict[int, TokenEvent]) -> dict[str, Any]:
-        for index, last in lasts.items():
-            self.ended(index, last)
-        message = {i: {"role": "assistant", "content": texts[i]} for i in texts}
-        return self._envelope(
-            [_choice(i, "message", message[i], lasts[i].finish_reason) for i in sorted(texts)], self.usage()
-        )
-
-    def chunk(self, index: int, event: TokenEvent) -> dict[str, Any]:
-        if event.finish_reason is not None:
-            self.ended(index, event)
-        delta = {"content": event.text}
-        if index not in self._started:
-            self._started.add(index)
-            delta = {"role": "assistant", **delta}
-        return self._envelope([_choice(index, "delta", delta, event.finish_reason)], None, chunk=True)
-
-
-def _choice(index: int, key: str, message: dict[str, str], finish_reason: str | None) -> dict[str, Any]:
-    reason = None if finish_reason is None else openai.FINISH.get(finish_reason, finish_reason)
-    return {"index": index, key: message, "logprobs": None, "finish_reason": reason}
+    def _content(self, index: int, text: str, chunk: bool) -> dict[str, Any]:
+        if not chunk:
+            return {"message": {"role": "assistant", "content": text}}
+        if index in self._started:
+            return {"delta": {"content": text}}
+        self._started.add(index)
+        return {"delta": {"role": "assistant", "content": text}}
 
 
 class AssistantMessage(BaseModel):

@@ -129,7 +129,8 @@ def child_seed(seed: int, j: int) -> int:
 
 class Completion:
     """One completion's identity, shared by its chunks, and the usage of its choices so far: each prompt's tokens
-    once, every choice's generated tokens."""
+    once, every choice's generated tokens. A choice's text is its `text` here; a subclass says it otherwise
+    (`_content`)."""
 
     prefix, object, chunk_object = "cmpl", "text_completion", "text_completion"
 
@@ -153,13 +154,22 @@ class Completion:
         """Every choice's text and last event, by index."""
         for index, last in lasts.items():
             self.ended(index, last)
-        return self._envelope([_choice(i, texts[i], lasts[i].finish_reason) for i in sorted(texts)], self.usage())
+        choices = [self._choice(i, texts[i], lasts[i].finish_reason, False) for i in sorted(texts)]
+        return self._envelope(choices, self.usage())
 
     def chunk(self, index: int, event: TokenEvent) -> dict[str, Any]:
         """A stream chunk: choice `index`'s text delta; its last has the finish_reason."""
         if event.finish_reason is not None:
             self.ended(index, event)
-        return self._envelope([_choice(index, event.text, event.finish_reason)], None, chunk=True)
+        return self._envelope([self._choice(index, event.text, event.finish_reason, True)], None, chunk=True)
+
+    def _choice(self, index: int, text: str, finish_reason: str | None, chunk: bool) -> dict[str, Any]:
+        reason = None if finish_reason is None else FINISH.get(finish_reason, finish_reason)
+        return {"index": index, **self._content(index, text, chunk), "logprobs": None, "finish_reason": reason}
+
+    def _content(self, index: int, text: str, chunk: bool) -> dict[str, Any]:
+        """Choice `index`'s `text` (whole, or a `chunk`'s delta) as the answer's format writes it."""
+        return {"text": text}
 
     def usage_chunk(self) -> dict[str, Any]:
         """The stream's last chunk when `stream_options.include_usage` asks: no choices, the usage."""
@@ -168,11 +178,6 @@ class Completion:
     def usage(self) -> dict[str, int]:
         prompt, completion = self._prompt, self._completion
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-def _choice(index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
-    reason = None if finish_reason is None else FINISH.get(finish_reason, finish_reason)
-    return {"text": text, "index": index, "logprobs": None, "finish_reason": reason}
 
 
 def model_entry(status: ModelStatus) -> dict[str, Any] | None:
