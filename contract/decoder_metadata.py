@@ -24,6 +24,9 @@ from contract.metadata import (
 POSITION_IDS = "position_ids"
 PAST_KEY, PAST_VALUE = "past_key_values.%d.key", "past_key_values.%d.value"  # %d: the layer (genai_config's spelling)
 PRESENT_KEY, PRESENT_VALUE = "present.%d.key", "present.%d.value"
+# The attention_kernel of a graph whose cache a server writes in place: every row's tokens from column 0, the mask's
+# ones first, `past` and `present` one buffer of the whole context (export/cache_attention.py).
+IN_PLACE_KERNEL = "com.microsoft.GroupQueryAttention"
 GENAI_CONFIG_FILE = "genai_config.json"  # what onnxruntime-genai reads to load the folder
 TOKENIZER_FILE = "tokenizer.json"  # Hugging Face `tokenizers` format
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -106,6 +109,12 @@ class DecoderMetadata:
     def attention_dim(self) -> int:
         """h * head_dim: the width of q (k and v are kv_heads * head_dim wide)."""
         return self.heads * self.head_dim
+
+    @property
+    def cache_in_place(self) -> bool:
+        """Whether the graph takes its cache left-aligned and can write it in place (else right-aligned, left-padded,
+        and concatenated by the graph)."""
+        return self.attention_kernel == IN_PLACE_KERNEL
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -106,6 +106,9 @@ class MultiHeadAttention(nn.Module):
         self.out = nn.Linear(self.inner_dim, d_model, bias=bias)
         self.export_kernel: Callable[..., torch.Tensor] | None = None  # set while exporting (export/fused_attention.py)
         self.head_gate: torch.Tensor | None = None  # set while scoring or masking heads (export/importance.py)
+        self.cache_kernel: Callable[..., tuple] | None = (
+            None  # set while exporting a decoder (export/cache_attention.py)
+        )
 
     def forward(
         self,
@@ -136,7 +139,12 @@ class MultiHeadAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Attention of T new tokens over a KV cache: x (B, T, d_model); past_key, past_value (B, kv, P, hs), P >= 0;
         mask (B, 1, T, P + T) True = attend (cache_mask). Returns out (B, T, d_model) and the present key and value
-        (B, kv, P + T, hs): the cache holds kv_heads heads, shared by the query heads of each group."""
+        (B, kv, P + T, hs): the cache holds kv_heads heads, shared by the query heads of each group. While exporting
+        with `cache_kernel`, `mask` is the attention mask (B, M) itself and the cache is left-aligned (its module)."""
+        if self.cache_kernel is not None:
+            q, k, v = self.qkv(x).split([self.inner_dim, self.kv_dim, self.kv_dim], dim=2)  # (B, T, h*hs), 2 x kv*hs
+            y, key, value = self.cache_kernel(q, k, v, past_key, past_value, mask, self.h, self.kv_heads)
+            return self.out(y), key, value  # y: (B, T, h*hs)
         B, T, _ = x.shape
         q, k, v = self._project(x)  # (B, h, T, hs), 2 x (B, kv, T, hs)
         k = torch.cat([past_key, k], dim=2)  # (B, kv, P+T, hs)

@@ -156,7 +156,9 @@ class DecoderLM(nn.Module):
     ) -> tuple[torch.Tensor, KVCache]:
         B, T = input_ids.shape
         past = self.empty_cache(B) if past is None else past
-        mask = cache_mask(attention_mask, T)  # (B, 1, T, P+T), True = attend
+        # (B, 1, T, P+T), True = attend; the mask itself where the export's kernel reads it (export/cache_attention.py)
+        in_place = self.blocks[0].attn.cache_kernel is not None
+        mask = attention_mask if in_place else cache_mask(attention_mask, T)
         x = self.drop(self.tok_emb(input_ids) + self.pos_emb(position_ids))  # (B, T, d_model)
         present = []
         for block, (past_key, past_value) in zip(self.blocks, past, strict=True):

@@ -4,6 +4,7 @@ generation parity gate (export/decoder_parity.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import tempfile
@@ -16,6 +17,7 @@ import torch
 
 from contract.decoder_metadata import (
     GENAI_CONFIG_FILE,
+    IN_PLACE_KERNEL,
     PAST_KEY,
     PAST_VALUE,
     POSITION_IDS,
@@ -24,7 +26,7 @@ from contract.decoder_metadata import (
     DecoderMetadata,
 )
 from contract.metadata import ATTENTION_MASK, CONFIG_FILE, INPUT_IDS, LOGITS, MODEL_FILE
-from export import decoder_parity, onnx_file
+from export import cache_attention, decoder_parity, onnx_file
 from export.convert import ExportError, ExportResult, one_line, quiet_torch
 from export.decoder import DecoderLM, FlatCache, positions_from_mask
 from export.staging import move_into_place
@@ -50,7 +52,9 @@ def _trace_inputs(meta: DecoderMetadata) -> tuple:
     return ids, mask, positions, past
 
 
-def _to_onnx(model: DecoderLM, meta: DecoderMetadata, path: Path, opset: int) -> None:
+def _to_onnx(model: DecoderLM, meta: DecoderMetadata, path: Path, opset: int, in_place: bool) -> None:
+    """`in_place`: each layer's cached attention as ORT's GroupQueryAttention where it takes the model's head_dim
+    (export/cache_attention.py); else as torch writes it."""
     auto = torch.export.Dim.AUTO  # torch.export finds total = past + seq itself; the axes are renamed afterwards
     shapes = (
         {0: auto, 1: auto},
@@ -58,8 +62,9 @@ def _to_onnx(model: DecoderLM, meta: DecoderMetadata, path: Path, opset: int) ->
         {0: auto, 1: auto},
         tuple({0: auto, 2: auto} for _ in range(2 * meta.layers)),
     )
+    kernels = cache_attention.in_place_layers(model) if in_place else contextlib.nullcontext()
     try:
-        with quiet_torch(), torch.no_grad():
+        with quiet_torch(), torch.no_grad(), kernels:
             program = torch.onnx.export(
                 FlatCache(model.eval()),
                 _trace_inputs(meta),
@@ -70,6 +75,7 @@ def _to_onnx(model: DecoderLM, meta: DecoderMetadata, path: Path, opset: int) ->
                 opset_version=opset,
                 optimize=True,
                 verbose=False,
+                custom_translation_table=cache_attention.translation_table(),
             )
             if program is None:
                 raise ExportError("torch.onnx.export returned nothing")
@@ -113,14 +119,21 @@ def _finish(path: Path, meta: DecoderMetadata, opset: int) -> DecoderMetadata:
             elif dim.dim_value != want:
                 raise ExportError(f"{meta.name}: {value.name} has {dim} where the contract wants {want}")
     del model.graph.value_info[:]  # the exporter's symbols (s10, s70...) for inner tensors: ORT infers them again
-    fused = any(node.op_type == "Attention" and node.domain in ("", "ai.onnx") for node in model.graph.node)
     exporter = {**meta.exporter, "opset": str(opset)} if meta.exporter else {}  # not the classifiers' opset
-    meta = replace(meta, attention_kernel=ONNX_ATTENTION if fused else PLAIN_ATTENTION, exporter=exporter)
+    meta = replace(meta, attention_kernel=_kernel(model), exporter=exporter)
     try:
         onnx_file.save(model, meta, path)
     except onnx.checker.ValidationError as exc:
         raise ExportError(f"onnx.checker rejected {path.name}: {one_line(exc)}") from exc
     return meta
+
+
+def _kernel(model: onnx.ModelProto) -> str:
+    """What runs attention in the graph: ORT's GroupQueryAttention, ONNX's Attention, or separate nodes."""
+    kinds = {f"{node.domain}.{node.op_type}" for node in model.graph.node}
+    if IN_PLACE_KERNEL in kinds:
+        return IN_PLACE_KERNEL
+    return ONNX_ATTENTION if kinds & {".Attention", "ai.onnx.Attention"} else PLAIN_ATTENTION
 
 
 def genai_config(meta: DecoderMetadata) -> dict[str, object]:
@@ -165,7 +178,8 @@ def genai_config(meta: DecoderMetadata) -> dict[str, object]:
             "top_p": 1.0,
             "diversity_penalty": 0.0,
             "no_repeat_ngram_size": 0,
-            "past_present_share_buffer": False,  # the graph concatenates: past and present are separate tensors
+            # one buffer of the whole context as past and present, where the graph writes its cache in place
+            "past_present_share_buffer": meta.cache_in_place,
         },
     }
 
@@ -178,11 +192,14 @@ def export_decoder(
     atol: float = decoder_parity.DEFAULT_ATOL,
     overwrite: bool = True,
     fuse_attention: bool = True,
+    in_place: bool = True,
     extras: dict[str, bytes] | None = None,
 ) -> ExportResult:
     """Export `model` to `out_dir/<meta.name>/`: model.onnx, config.json, genai_config.json, tokenizer.json and
     tokenizer_config.json (byte-v1 only), and `extras` (file name -> contents). Staged beside the target and moved
-    into place only after the generation parity gate passes. `fuse_attention=False`: opset 20, attention unfused."""
+    into place only after the generation parity gate passes. `in_place`: the cache's attention as ORT's
+    GroupQueryAttention where it takes the head_dim, so a server writes the cache in place (else ONNX's Attention over
+    a concatenated cache); `fuse_attention=False`: opset 20, attention unfused."""
     start = time.perf_counter()
     out_dir = Path(out_dir)
     target = out_dir / meta.name
@@ -198,7 +215,7 @@ def export_decoder(
     try:
         model = model.eval()
         opset = DECODER_OPSET if fuse_attention else PLAIN_OPSET
-        _to_onnx(model, meta, staging / MODEL_FILE, opset)
+        _to_onnx(model, meta, staging / MODEL_FILE, opset, in_place and fuse_attention)
         meta = _finish(staging / MODEL_FILE, meta, opset)
         report = decoder_parity.check(model, staging / MODEL_FILE, meta, atol=atol)
         params = model.num_parameters()

@@ -1,6 +1,6 @@
 """How to check a decoder export: the generation parity gate. Greedy generation through ONNX Runtime with the KV cache
 against torch without a cache (the whole sequence again at every step), on prompts that were not traced: one prompt
-alone and a left-padded batch of unequal prompts."""
+alone and a batch of unequal prompts (left-padded, or left-aligned where the graph writes its cache in place)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
-from contract.decoder_metadata import DecoderMetadata
+from contract.decoder_metadata import POSITION_IDS, DecoderMetadata
 from contract.metadata import ATTENTION_MASK, INPUT_IDS, LOGITS
 from contract.tokenizer import NUM_SPECIAL
 from export.decoder import DecoderLM, positions_from_mask
@@ -96,31 +96,58 @@ class _Gate:
         self.worst, self.tokens, self.near_ties = 0.0, 0, 0
 
     def run_case(self, case: str, prompts: list[list[int]]) -> None:
-        """Greedy, in lockstep: each step's token is torch's, fed to both; ORT's own choice is checked against it."""
+        """Greedy, in lockstep: each step's token is torch's, fed to both; ORT's own choice is checked against it.
+        ORT gets the batch in its graph's layout (left-padded, or left-aligned for a cache written in place)."""
         meta = self.meta
-        ids, mask = left_padded(prompts, meta.pad_id)  # (B, T0)
+        ids, mask = left_padded(prompts, meta.pad_id)  # (B, T0), torch's batch
         B = ids.shape[0]
         where = f"{case} (batch {B}, prompts of {', '.join(str(len(p)) for p in prompts)} tokens)"
         empty = np.zeros((B, meta.kv_heads, 0, meta.head_dim), np.float32)
         past = {name: empty for name in meta.input_names[3:]}
-        feeds = {
-            INPUT_IDS: ids.numpy(),
-            ATTENTION_MASK: mask.numpy(),
-            "position_ids": positions_from_mask(mask).numpy(),
-        }
+        lengths = np.array([len(p) for p in prompts])  # (B,) tokens so far per row
+        feeds = self._prefill_feeds(ids.numpy(), mask.numpy(), lengths)
         for step in range(NEW_TOKENS):
-            got = self._run({**feeds, **past}, where, step, ids.shape[1])
+            got = self._run({**feeds, **past}, where, step, feeds[ATTENTION_MASK].shape[1])
             expected = self._torch(ids, mask, where, step)  # (B, T, V): the whole sequence, no cache
-            if step == 0:  # prefill: every position that holds a token
-                self._compare(got[LOGITS], expected, mask.numpy().astype(bool), where, "prefill")
+            if step == 0:  # prefill: every position that holds a token, in token order in both layouts
+                ours = got[LOGITS][feeds[ATTENTION_MASK].astype(bool)]  # (tokens, V)
+                self._compare(ours, expected[mask.numpy().astype(bool)], where, "prefill")
+                last = got[LOGITS][np.arange(B), self._last_column(feeds[ATTENTION_MASK], lengths)]  # (B, V)
             else:
-                self._compare(got[LOGITS], expected[:, -1:], np.ones((B, 1), bool), where, f"step {step}")
-            token = self._choose(got[LOGITS][:, -1], expected[:, -1], where, step)  # (B,)
+                last = got[LOGITS][:, -1]  # (B, V)
+                self._compare(last, expected[:, -1], where, f"step {step}")
+            token = self._choose(last, expected[:, -1], where, step)  # (B,)
             ids = torch.cat([ids, token[:, None]], dim=1)  # (B, T+1)
             mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.int64)], dim=1)  # (B, T+1)
             past = {name: got[name.replace("past_key_values", "present")] for name in past}
-            next_pos = positions_from_mask(mask)[:, -1:]  # (B, 1)
-            feeds = {INPUT_IDS: token[:, None].numpy(), ATTENTION_MASK: mask.numpy(), "position_ids": next_pos.numpy()}
+            feeds = self._step_feeds(token.numpy(), mask.numpy(), lengths)
+            lengths = lengths + 1
+
+    def _prefill_feeds(self, ids: np.ndarray, mask: np.ndarray, lengths: np.ndarray) -> dict[str, np.ndarray]:
+        """The prompts (B, T) as torch has them (left-padded), in the graph's layout."""
+        if not self.meta.cache_in_place:
+            return {
+                INPUT_IDS: ids,
+                ATTENTION_MASK: mask,
+                POSITION_IDS: positions_from_mask(torch.from_numpy(mask)).numpy(),
+            }
+        width = ids.shape[1]
+        ours = np.full_like(ids, self.meta.pad_id)  # (B, T): each row's tokens from column 0
+        for row, n in enumerate(lengths):
+            ours[row, :n] = ids[row, width - n :]
+        left = (np.arange(width)[None, :] < lengths[:, None]).astype(np.int64)  # (B, T): ones first
+        return {INPUT_IDS: ours, ATTENTION_MASK: left, POSITION_IDS: np.tile(np.arange(width), (len(ids), 1))}
+
+    def _step_feeds(self, token: np.ndarray, mask: np.ndarray, lengths: np.ndarray) -> dict[str, np.ndarray]:
+        """One new token (B,) per row after `lengths` (B,) cached tokens: torch's mask (B, T+1) left-padded."""
+        if self.meta.cache_in_place:
+            width = int(lengths.max()) + 1
+            mask = (np.arange(width)[None, :] <= lengths[:, None]).astype(np.int64)  # (B, W): ones first
+        return {INPUT_IDS: token[:, None], ATTENTION_MASK: mask, POSITION_IDS: lengths[:, None].astype(np.int64)}
+
+    def _last_column(self, mask: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Each row's last prompt token's column in the graph's layout (B,)."""
+        return lengths - 1 if self.meta.cache_in_place else np.full(len(lengths), mask.shape[1] - 1)
 
     def _run(self, feeds: dict[str, np.ndarray], where: str, step: int, total: int) -> dict[str, np.ndarray]:
         names = self.meta.output_names
@@ -150,13 +177,13 @@ class _Gate:
             ) from exc
         return logits.numpy()
 
-    def _compare(self, got: np.ndarray, expected: np.ndarray, rows: np.ndarray, where: str, what: str) -> None:
-        """Max abs difference of the logits at the positions `rows` (B, T) marks."""
+    def _compare(self, got: np.ndarray, expected: np.ndarray, where: str, what: str) -> None:
+        """Max abs difference of the logits (..., V) of the same tokens."""
         if got.shape != expected.shape:
             raise GenerationParityError(
                 f"{self.meta.name}: {LOGITS} has shape {got.shape} in ORT, {expected.shape} in torch ({where}, {what})"
             )
-        diff = float(np.max(np.abs(got[rows] - expected[rows]))) if np.isfinite(got[rows]).all() else float("inf")
+        diff = float(np.max(np.abs(got - expected))) if np.isfinite(got).all() else float("inf")
         self.worst = max(self.worst, diff)
         if diff > self.atol:
             raise GenerationParityError(

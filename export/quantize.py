@@ -303,7 +303,13 @@ def to_int8(
     if mode == "dynamic":
         with _converting(src, "int8"):
             quantize_dynamic(
-                src, dst, weight_type=weight_type, reduce_range=plan.reduce_range, op_types_to_quantize=op_types
+                src,
+                dst,
+                weight_type=weight_type,
+                reduce_range=plan.reduce_range,
+                op_types_to_quantize=op_types,
+                # a MatMul after a contrib node (the decoder's GroupQueryAttention) has no type from onnx's inference
+                extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT},
             )
     elif mode == "static":
         if calibration is None:

@@ -14,7 +14,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from contract.decoder_metadata import DecoderMetadata, metadata_from_props
+from contract.decoder_metadata import IN_PLACE_KERNEL, DecoderMetadata, metadata_from_props
 from contract.tokenizer import BOS_ID, EOS_ID, ByteTokenizer
 from export import decoder_export
 from export.decoder import DecoderConfig, DecoderLM, FlatCache
@@ -39,13 +39,15 @@ def _model(h: int, kv: int) -> DecoderLM:
 def exported(tmp_path_factory) -> Callable[[int, int], Path]:
     """(h, kv_heads) -> the folder of that tiny decoder, exported through the normal path on first use."""
     out = tmp_path_factory.mktemp("decoders")
-    folders: dict[tuple[int, int], Path] = {}
+    folders: dict[tuple[int, int, bool], Path] = {}
 
-    def folder(h: int, kv: int) -> Path:
-        if (h, kv) not in folders:
+    def folder(h: int, kv: int, in_place: bool = True) -> Path:
+        if (h, kv, in_place) not in folders:
             model = _model(h, kv)
-            folders[(h, kv)] = decoder_export.export_decoder(model, model.config.metadata(), out).folder
-        return folders[(h, kv)]
+            where = out / ("in-place" if in_place else "concatenated")
+            exported = decoder_export.export_decoder(model, model.config.metadata(), where, in_place=in_place)
+            folders[(h, kv, in_place)] = exported.folder
+        return folders[(h, kv, in_place)]
 
     return folder
 
@@ -109,11 +111,13 @@ def test_the_folder_holds_the_layout_and_describes_itself(exported):
     assert shapes["past_key_values.1.value"] == ["batch_size", 1, "past_sequence_length", 8]
     assert shapes["present.0.key"] == ["batch_size", 1, "total_sequence_length", 8]
     assert shapes["logits"] == ["batch_size", "sequence_length", 260]
-    genai = json.loads((folder / "genai_config.json").read_text())["model"]
-    assert genai["type"] == "decoder" and genai["decoder"]["num_key_value_heads"] == 1
+    genai = json.loads((folder / "genai_config.json").read_text())
+    assert genai["model"]["type"] == "decoder" and genai["model"]["decoder"]["num_key_value_heads"] == 1
     config = json.loads((folder / "config.json").read_text())
     assert config["arch"] == "decoder" and config["parity"]["tokens"] >= 4 * 32
-    assert meta.attention_kernel == "onnx.Attention"
+    # head_dim 8 is one ORT's GroupQueryAttention takes: the cache is written in place, as GenAI is told
+    assert meta.attention_kernel == IN_PLACE_KERNEL and meta.cache_in_place
+    assert genai["search"]["past_present_share_buffer"] is True
     assert {(o.domain or "ai.onnx", o.version) for o in model.opset_import} >= {("ai.onnx", 23)}
 
 
@@ -129,8 +133,12 @@ def test_greedy_with_the_cache_equals_rerunning_the_whole_sequence(exported, h, 
 
 
 @pytest.mark.parametrize(("h", "kv"), HEAD_PAIRS)
-def test_a_left_padded_batch_generates_what_each_prompt_generates_alone(exported, h, kv):
-    session, head_dim = _session(exported(h, kv)), D_MODEL // h
+def test_a_left_padded_batch_generates_what_each_prompt_generates_alone_in_the_concatenating_graph(exported, h, kv):
+    folder = exported(h, kv, in_place=False)
+    assert metadata_from_props(dict(_session(folder).get_modelmeta().custom_metadata_map)).attention_kernel == (
+        "onnx.Attention"
+    )
+    session, head_dim = _session(folder), D_MODEL // h
     prompts = [[BOS_ID, 70, 71], [BOS_ID, 90, 91, 92, 93, 94, 95, 96, 97, 98, 99]]
     width = max(len(p) for p in prompts)
     ids = np.array([[0] * (width - len(p)) + p for p in prompts], np.int64)
@@ -140,6 +148,43 @@ def test_a_left_padded_batch_generates_what_each_prompt_generates_alone(exported
         alone = np.array([prompt], np.int64)
         want, _ = greedy_with_cache(session, alone, np.ones_like(alone), kv, head_dim, NEW_TOKENS)
         assert batched[row].tolist() == want[0].tolist()
+
+
+@pytest.mark.parametrize(("h", "kv"), HEAD_PAIRS)
+def test_a_batch_aligned_from_column_0_generates_what_each_prompt_generates_alone_in_the_in_place_graph(
+    exported, h, kv
+):
+    """The in-place graph's layout: each row's tokens from column 0, padding on the right, each row's new token
+    written after its own (present as wide as the mask or the past)."""
+    session, head_dim = _session(exported(h, kv)), D_MODEL // h
+    prompts = [[BOS_ID, 70, 71], [BOS_ID, 90, 91, 92, 93, 94, 95, 96, 97, 98, 99]]
+    width = max(len(p) for p in prompts)
+    ids = np.array([p + [0] * (width - len(p)) for p in prompts], np.int64)  # (B, T)
+    lengths = np.array([len(p) for p in prompts])  # (B,)
+    mask = (np.arange(width)[None] < lengths[:, None]).astype(np.int64)  # (B, T): ones first
+    feeds = {"input_ids": ids, "attention_mask": mask, "position_ids": np.tile(np.arange(width), (2, 1))}
+    past, batched = _empty_past(2, kv, head_dim), []
+    for step in range(NEW_TOKENS):
+        logits, *present = session.run(None, {**feeds, **past})
+        token = logits[np.arange(2), lengths - 1 if step == 0 else -1].argmax(axis=-1)  # (B,)
+        batched.append(token)
+        past = dict(zip(past, present, strict=True))
+        mask = (np.arange(lengths.max() + 1)[None] <= lengths[:, None]).astype(np.int64)  # (B, W + 1)
+        feeds = {"input_ids": token[:, None], "attention_mask": mask, "position_ids": lengths[:, None]}
+        lengths = lengths + 1
+    for row, prompt in enumerate(prompts):
+        alone = np.array([prompt], np.int64)
+        want, _ = greedy_with_cache(session, alone, np.ones_like(alone), kv, head_dim, NEW_TOKENS)
+        assert np.stack(batched, axis=1)[row].tolist() == want[0].tolist()
+
+
+def test_a_head_dim_the_in_place_kernel_cannot_take_exports_the_concatenating_graph(tmp_path):
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig(d_model=40, heads=4, kv_heads=2, layers=1, max_len=MAX_LEN)).eval()  # head_dim 10
+    meta = decoder_export.export_decoder(model, model.config.metadata(), tmp_path).metadata
+    assert meta.attention_kernel == "onnx.Attention" and not meta.cache_in_place
+    genai = json.loads((tmp_path / meta.name / "genai_config.json").read_text())
+    assert genai["search"]["past_present_share_buffer"] is False
 
 
 @pytest.mark.parametrize(("h", "kv"), HEAD_PAIRS)

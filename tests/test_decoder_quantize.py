@@ -76,7 +76,7 @@ def test_the_int8_variant_is_a_sibling_folder_with_its_metadata_and_the_fp32_fil
     for file_name in ("genai_config.json", "tokenizer.json"):  # the same tensors' names, heads and dtypes
         assert (int8.folder / file_name).read_bytes() == (trained / file_name).read_bytes()
     ops = {node.op_type for node in onnx.load(str(int8.folder / "model.onnx")).graph.node}
-    assert {"MatMulInteger", "Attention"} <= ops  # MatMuls in int8, attention as it was
+    assert {"MatMulInteger", "GroupQueryAttention"} <= ops  # MatMuls in int8, attention as it was
     assert _types(int8.folder) == _types(trained)  # int64 ids, mask and positions; float32 logits and cache
     assert int8.file_bytes < 0.85 * int8.source_bytes  # the tied embedding table (most of a tiny model) stays fp32
     gate = int8.gate
