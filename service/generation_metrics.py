@@ -183,6 +183,13 @@ class EngineGauges:
             "padding, rows that left and the copies of a join included (0 once it holds nothing).",
             tag_keys=GENERATION_LABELS,
         )
+        self.preemptions = Counter(
+            "mha_num_preemptions",
+            description="Running generation requests sent back to the queue for KV room, their tokens so far "
+            "recomputed later (vLLM's num_preemptions).",
+            tag_keys=GENERATION_LABELS,
+        )
+        self._preempted: dict[tuple[str, ...], int] = {}  # each engine's count when last set
 
     def set(self, labels: dict[str, str], state: SchedulerState) -> None:
         """A decoder's engine now (`engine.state()`); generation_labels."""
@@ -190,3 +197,7 @@ class EngineGauges:
         self.waiting.set(state.waiting, tags=labels)
         self.kv_usage.set(state.kv_cache_usage, tags=labels)
         self.kv_bytes.set(state.kv_bytes, tags=labels)
+        key = tuple(labels.values())
+        if (new := state.preemptions - self._preempted.get(key, 0)) > 0:  # a Ray counter takes increments > 0
+            self.preemptions.inc(new, tags=labels)
+        self._preempted[key] = state.preemptions

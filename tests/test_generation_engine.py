@@ -8,6 +8,8 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
+import math
+import mmap
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -61,13 +63,28 @@ def _model(kv: int) -> DecoderLM:
     return model.eval()
 
 
+LAYOUTS = ["in-place", "concatenated"]  # the cache written in place (the export's default), or concatenated
+
+
 @pytest.fixture(scope="module")
-def models_dir(tmp_path_factory) -> Path:
+def exports(tmp_path_factory) -> dict[str, Path]:
     out = tmp_path_factory.mktemp("decoders")
-    for kv in KV_HEADS:
-        model = _model(kv)
-        decoder_export.export_decoder(model, model.config.metadata(), out)
-    return out
+    for layout in LAYOUTS:
+        for kv in KV_HEADS:
+            model = _model(kv)
+            decoder_export.export_decoder(model, model.config.metadata(), out / layout, in_place=layout == "in-place")
+    return {layout: out / layout for layout in LAYOUTS}
+
+
+@pytest.fixture(params=LAYOUTS)
+def models_dir(request, exports) -> Path:
+    """Each test that takes it runs on both layouts' engines."""
+    return exports[request.param]
+
+
+@pytest.fixture
+def concatenated_dir(exports) -> Path:
+    return exports["concatenated"]
 
 
 def _name(kv: int) -> str:
@@ -99,9 +116,13 @@ def _settled(engine: GenerationEngine) -> SchedulerState:
     return state
 
 
-def _width(*finals: int) -> int:
-    """What the scheduler charges each row of a batch of sequences ending at `finals` tokens."""
-    return charged_width(list(finals), MAX_LEN)
+def _reserved(models_dir: Path, *rows: tuple[int, int]) -> int:
+    """What the scheduler charges rows of (tokens so far, final tokens): where the cache is written in place, each
+    row's tokens so far in whole pages (per head: 128 tokens here), else rows x the width the finals may reach."""
+    if models_dir.name == "in-place":
+        block = mmap.PAGESIZE // math.gcd(mmap.PAGESIZE, (D_MODEL // HEADS) * 4)
+        return sum(-(-now // block) * block for now, _ in rows)
+    return len(rows) * charged_width([final for _, final in rows], MAX_LEN)
 
 
 def _ids(events: list[TokenEvent]) -> list[int]:
@@ -232,10 +253,10 @@ def test_a_long_prompt_joining_running_streams_runs_in_chunks_while_they_get_a_t
     assert steps[0] < long_events[0].step < steps[-1]
 
 
-def test_a_long_prompt_is_not_padded_into_a_batch_of_short_ones(models_dir):
+def test_a_long_prompt_is_not_padded_into_a_batch_of_short_ones(concatenated_dir):
     """Admitted together with nothing decoding, four short prompts run as one prefill and the 101-token prompt
     after them in the next step: padded into their batch, each short one would cost as much as the long one."""
-    runtime = load_decoder(models_dir, _name(2), "cpu", 1)
+    runtime = load_decoder(concatenated_dir, _name(2), "cpu", 1)
     shorts = [[BOS_ID, *range(50 + i, 60 + i)] for i in range(4)]  # 11 tokens each
 
     async def steps() -> list[list[int]]:
@@ -252,10 +273,10 @@ def test_a_long_prompt_is_not_padded_into_a_batch_of_short_ones(models_dir):
     assert sorted(second) == [11] * 4 + [101], "then their decoding step and the long prompt's prefill"
 
 
-def test_a_row_that_left_at_the_full_context_is_dropped_before_its_position_passes_the_context(models_dir):
+def test_a_row_that_left_at_the_full_context_is_dropped_before_its_position_passes_the_context(concatenated_dir):
     """A sequence that filled the context leaves while another goes on (no join to drop its row): riding along, its
     row would be fed position MAX_LEN, past the position embeddings, and the step would fail for every sequence."""
-    runtime = load_decoder(models_dir, _name(2), "cpu", 1)
+    runtime = load_decoder(concatenated_dir, _name(2), "cpu", 1)
 
     async def tokens_of_b(with_a: bool) -> list[int]:
         def seq(prompt: list[int]) -> Sequence:
@@ -278,10 +299,10 @@ def test_a_row_that_left_at_the_full_context_is_dropped_before_its_position_pass
     assert _run(tokens_of_b(with_a=True)) == _run(tokens_of_b(with_a=False))
 
 
-def test_a_join_keeps_the_staying_rows_right_aligned_with_zeros_in_every_padding_column(models_dir):
+def test_a_join_keeps_the_staying_rows_right_aligned_with_zeros_in_every_padding_column(concatenated_dir):
     """BatchCache.join writes into uninitialized arrays: every column left of a row's tokens must be 0 (a NaN there
     would survive its masked-out weight of 0), and the rows that stay, whatever runs they form, keep their tokens."""
-    meta = load_decoder(models_dir, _name(2), "cpu", 1).meta
+    meta = load_decoder(concatenated_dir, _name(2), "cpu", 1).meta
     rng = np.random.default_rng(0)
     cache = BatchCache(meta, np.dtype(np.float32))
     lengths = np.array([3, 7, 5, 2, 6])
@@ -323,13 +344,17 @@ def test_a_prompt_cancelled_between_its_chunks_frees_its_kv_and_the_running_stre
                 await asyncio.sleep(0)
             reserved = engine.state().kv_reserved_tokens
             chunked.cancel()
-            while (engine.state().running, engine.state().kv_reserved_tokens) != (1, _width(2 + 200)):
+            while (engine.state().running, engine.state().kv_reserved_tokens) != (
+                1,
+                _reserved(models_dir, (2, 2 + 200)),
+            ):
                 await asyncio.sleep(0.001)  # the prompt's part-run cache dropped, its charge freed
             return reserved, head + [e async for e in first]
 
         reserved, events = _run(scenario())
         assert _settled(engine).kv_reserved_tokens == 0
-    assert reserved == 2 * _width(2 + 200, 101 + 24), "both were running when the prompt was cancelled"
+    # both were running when the prompt was cancelled (the running one under 128 tokens so far)
+    assert reserved == _reserved(models_dir, (2, 2 + 200), (101, 101 + 24))
     assert _ids(events) == alone
 
 
@@ -493,7 +518,8 @@ def test_past_max_waiting_the_answer_is_a_503_at_once(models_dir):
                 engine.submit(GenerateRequest("third", _greedy(4)))
             state = engine.state()
             assert state.waiting == 1 and state.running == 1
-            assert state.kv_reserved_tokens == _width(1 + len("first") + 200)  # BOS, a token per byte, max_tokens
+            prompt = 1 + len("first")  # BOS, a token per byte
+            assert state.kv_reserved_tokens == _reserved(models_dir, (prompt, prompt + 200))
             assert 0 < state.kv_cache_usage <= 1 and state.kv_bytes <= state.kv_budget_bytes
             await first.aclose()
             return err.value, [e async for e in second]

@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from contract.decoder_metadata import DecoderMetadata
+from contract.decoder_metadata import IN_PLACE_KERNEL, DecoderMetadata
 from contract.tokenizer import EOS_ID
 from service.errors import ModelQueueFullError, NotReadyError
 from service.generate import ABORT, CANCELLED, GenerationSettings, SamplingParams
@@ -208,3 +208,46 @@ def test_the_kv_budget_buys_tokens_at_two_copies_of_the_served_precision_and_mus
         GenerationSettings(max_running=0, queue_timeout_s=-1)
     with pytest.raises(ValueError, match="prefill_chunk=0 must be an integer >= 1"):
         GenerationSettings(prefill_chunk=0)
+
+
+def test_a_cache_written_in_place_buys_tokens_at_one_copy_in_whole_pages_and_must_hold_one_context():
+    meta = DecoderMetadata(
+        "lm-h8-kv8-d512", 8, 8, 64, 512, 4, 260, 200, 1, 2, 0, attention_kernel=IN_PLACE_KERNEL
+    )  # 16 KiB a token; a head's token 256 bytes: 16 tokens a page
+    assert GenerationSettings().kv_budget_tokens(meta) == 128 * 2**20 // 16384 == 8192
+    limits = GenerationSettings(kv_cache_tokens=208).limits(meta)
+    assert (limits.kv_budget_tokens, limits.kv_budget_bytes, limits.block) == (208, 208 * 16384, 16)
+    assert GenerationSettings().rows_held(meta, 96) == 8192 // 96  # 96 tokens: whole pages already
+    with pytest.raises(ValueError, match="or 208 tokens"):  # the context, 200, in whole pages
+        GenerationSettings(kv_cache_tokens=207).kv_budget_tokens(meta)
+
+
+def _grow(seq: Sequence, tokens: int) -> None:
+    seq.generated += [5] * tokens  # what the engine appends after each step
+
+
+def test_in_place_running_sequences_are_charged_their_tokens_so_far_and_the_youngest_is_preempted_for_room():
+    """Blocks of 16 tokens, a budget of 4 blocks: admission leaves a block of room per running row; a running row
+    that grows past the budget sends the youngest back to the head of the queue, counted, with its tokens so far."""
+
+    def body():
+        scheduler = Scheduler("lm-test", Limits(64, MAX_LEN, 8, 8, 60.0, block=16))
+        a, b, c = _seq(20, 500), _seq(10, 500), _seq(10, 500)  # max_tokens play no part
+        for seq in (a, b, c):
+            scheduler.add(seq)
+        plan = scheduler.schedule()
+        # a: 2 blocks; b: 1 more and a block of room for a (4); c would need 5
+        assert plan.prefill == (a, b) and scheduler.state().kv_reserved_tokens == 48
+        _grow(a, 13)  # 33 tokens: 3 blocks, with b's 1 within the budget
+        assert scheduler.schedule().decode == (a, b) and scheduler.state().preemptions == 0
+        _grow(b, 7)  # 17 tokens: 2 blocks, 5 in all
+        plan = scheduler.schedule()
+        assert plan.decode == (a,) and plan.prefill == ()
+        state = scheduler.state()
+        assert (state.running, state.waiting, state.preemptions, state.kv_reserved_tokens) == (1, 2, 1, 48)
+        scheduler.update([a], [a], 0)  # a finished and its row dropped
+        plan = scheduler.schedule()
+        assert plan.prefill == (b, c)  # b first, recomputing its 17 tokens, then c
+        assert scheduler.state().kv_reserved_tokens == 32 + 16
+
+    _in_loop(body)

@@ -60,6 +60,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--backend", choices=("cpu", "gpu"), default="cpu", help="the service's, loop's and plain server's")
     p.add_argument("--systems", type=lambda v: v.split(","), default=CHOICES, help=",".join(CHOICES))
     p.add_argument("--versus", type=Path, help="another checkout: its service measured too (`before`), same config")
+    p.add_argument(
+        "--versus-models",
+        type=Path,
+        help="the models folder of --versus's service (default --models): the same decoder as that checkout exports it",
+    )
     p.add_argument("--json", type=Path, help="also write every figure here")
     p.add_argument("--quick", action="store_true", help="tiny defaults, for tests: c=1,2, 8 + 8 tokens, 1 round")
     args = p.parse_args(argv)
@@ -87,13 +92,13 @@ def ensure_decoder(args: argparse.Namespace) -> str:
     return name
 
 
-def serve_config(args: argparse.Namespace, name: str, meta: DecoderMetadata) -> dict:
+def serve_config(args: argparse.Namespace, name: str, meta: DecoderMetadata, models: Path | None = None) -> dict:
     """`mha-serving serve`'s defaults, with a KV budget that runs every client's prompt + output tokens at once
-    and every client in one decoding step."""
+    and every client in one decoding step; `models`: another folder than --models."""
     final = max(args.prompt_tokens) + args.output_tokens
     generate = {"threads": args.threads, "max_running": max(32, max(args.concurrency))}
     generate["kv_cache_mb"] = max(128.0, kv_cache_mb_for(meta, max(args.concurrency), final) * 1.1)
-    models_dir = str(args.models.resolve())
+    models_dir = str((models or args.models).resolve())
     return {"models_dir": models_dir, "models": [name], "backend": args.backend, "generate": generate}
 
 
@@ -128,7 +133,9 @@ def measure(args: argparse.Namespace) -> dict:
             server = stack.enter_context(ServerProcess(serve_config(args, name, meta)))
             systems["served"] = (partial(client.served, server.port, name), server)
         if args.versus is not None:
-            before = stack.enter_context(ServerProcess(serve_config(args, name, meta), tree=args.versus.resolve()))
+            theirs = load_decoder(args.versus_models, name).meta if args.versus_models else meta
+            config = serve_config(args, name, theirs, args.versus_models)
+            before = stack.enter_context(ServerProcess(config, tree=args.versus.resolve()))
             systems["before"] = (partial(client.served, before.port, name), before)
         if "bare" in args.systems:
             systems["bare"] = (partial(loops.bare_loop, runtime), None)

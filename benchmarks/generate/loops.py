@@ -16,6 +16,8 @@ from contract.decoder_metadata import POSITION_IDS
 from contract.metadata import ATTENTION_MASK, INPUT_IDS
 from service.generate.runner import cache_device, run_step
 from service.generate.session import DecoderRuntime
+from service.generate.slot_cache import SlotCache
+from service.generate.slot_runner import run_in_place
 
 
 def greedy_steps(
@@ -23,7 +25,11 @@ def greedy_steps(
 ) -> Iterator[np.ndarray]:
     """Each step's greedy tokens (B,) for `prompts` (B, T) of one length: one prefill, then new - 1 decoding steps
     of one token per row with the last step's present as past. `bound` (None: on the GPU only): present stays where
-    the session runs between steps (ORT I/O binding), as the service keeps its KV cache on a GPU."""
+    the session runs between steps (ORT I/O binding), as the service keeps its KV cache on a GPU. A graph that writes
+    its cache in place has it written in place here too."""
+    if runtime.meta.cache_in_place:
+        yield from _in_place_steps(runtime, prompts, new, bound)
+        return
     meta, session = runtime.meta, runtime.session
     device = cache_device(runtime, bound)
     batch, total = prompts.shape
@@ -39,6 +45,23 @@ def greedy_steps(
         tokens = logits[:, -1].argmax(axis=-1)  # (B,)
         yield tokens
         ids, total = tokens[:, None].astype(np.int64), total + 1  # (B, 1)
+
+
+def _in_place_steps(runtime: DecoderRuntime, prompts: np.ndarray, new: int, bound: bool | None) -> Iterator[np.ndarray]:
+    """greedy_steps with the rows of one buffer bound as past and present (service/generate/slot_cache.py)."""
+    meta, (batch, total) = runtime.meta, prompts.shape
+    device = "cuda" if cache_device(runtime, bound) == "cuda" else None
+    providers = runtime.session.get_providers()
+    cache = SlotCache(meta, np.dtype(runtime.cache_dtype), batch, device, providers)
+    cache.add([total] * batch)
+    feeds = SlotCache.prefill_feeds([tuple(row) for row in prompts.tolist()], meta.pad_id)  # (B, T), no padding
+    for step in range(new):
+        logits = run_in_place(runtime.session, meta.output_names[0], cache, feeds, 0, batch)  # (B, T or 1, V)
+        if step:
+            cache.advance(batch)
+        tokens = logits[:, -1].argmax(axis=-1)  # (B,)
+        yield tokens
+        feeds = cache.decode_feeds(tokens.astype(np.int64))
 
 
 def bare_loop(runtime: DecoderRuntime, prompts: np.ndarray, new: int, repeats: int) -> dict:

@@ -21,6 +21,7 @@ from service.generate.scheduler import Schedule, Scheduler, SchedulerState
 from service.generate.sequence import Sequence
 from service.generate.session import DecoderRuntime, load_decoder
 from service.generate.settings import GenerationSettings
+from service.generate.slot_runner import SlotRunner
 from service.generate.stream import TokenStream
 from service.thread_names import ENGINE, RUNS, name_thread, threads_named
 
@@ -37,8 +38,14 @@ class GenerationEngine:
         self.runtime, self.meta, self.settings = runtime, runtime.meta, settings
         self.name = runtime.meta.name
         itemsize = np.dtype(runtime.cache_dtype).itemsize
-        self._scheduler = Scheduler(self.name, settings.limits(runtime.meta, itemsize))
-        self._runner = StepRunner(runtime, settings.io_binding, settings.prefill_chunk)
+        self._runner: StepRunner | SlotRunner
+        if self.meta.cache_in_place:
+            self._runner = SlotRunner(runtime, settings.max_running, settings.io_binding, settings.prefill_chunk)
+            limits = settings.limits(runtime.meta, itemsize, self._runner.cache.block)
+        else:
+            self._runner = StepRunner(runtime, settings.io_binding, settings.prefill_chunk)
+            limits = settings.limits(runtime.meta, itemsize)
+        self._scheduler = Scheduler(self.name, limits)
         self._thread = threading.Thread(target=self._loop, name=f"{RUNS}{self.name}", daemon=True)
         self._thread.start()
 

@@ -1,7 +1,8 @@
 """The running batch's KV cache: per layer, past keys and values of shape (B, kv_heads, W, head_dim), each sequence in
 its own row, right-aligned (its cached tokens are the row's last `lengths[row]` columns; the columns before them are
-padding, masked out). The only module that knows that layout. A preallocated buffer written in place (TensorScatter)
-measured no faster on the CPU, since ORT's Attention reads a buffer's whole capacity (`benchmarks.kv_layout`). No torch.
+padding, masked out). The only module that knows that layout: a graph whose attention is ONNX's `Attention` (it reads
+a buffer's whole capacity, so one written in place measured no faster: `benchmarks.kv_layout`); a graph that reads
+each row's own length has its cache written in place instead (slot_cache.py). No torch.
 
 Where the copies are (each a full copy of every layer's cache):
   1. every decoding step: the graph concatenates past and the new token into `present` (inside ONNX Runtime);

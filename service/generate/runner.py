@@ -126,7 +126,7 @@ class StepRunner:
         self._note(self._cache.nbytes + nbytes(present) + self._partial_bytes())
         self._cache.advance(present)
         rows = self._staying()
-        return self._sample([self._rows[r] for r in rows], logits[rows, -1])
+        return sample_next([self._rows[r] for r in rows], logits[rows, -1])
 
     def _prefill(self) -> list[tuple[Sequence, int]]:
         """One run for the admitted prompts that fit the step's budget together (rows x the longest), right-aligned
@@ -137,7 +137,7 @@ class StepRunner:
             self._admitted.popleft()
             first.started = first.started or time.perf_counter()
             return self._next_chunk(first, self._cache.empty_feeds(1))
-        seqs = self._batch(budget)
+        seqs = prefill_batch(self._admitted, budget)
         now = time.perf_counter()
         contexts = [seq.context for seq in seqs]  # a resumed sequence recomputes its tokens so far too
         lengths = np.array([len(c) for c in contexts], np.int64)  # (n,)
@@ -153,22 +153,7 @@ class StepRunner:
         logits, present = self._run(feeds)  # (n, P, V), (n, kv, P, hs) per layer
         self._note(self._cache.nbytes + nbytes(present))
         self._join(seqs, present, lengths)
-        return self._sample(seqs, logits[:, -1])  # the last column is every prompt's last token: right-aligned
-
-    def _batch(self, budget: int) -> list[Sequence]:
-        """The admitted prompts one prefill runs together, in order: while their padded size (rows x the longest)
-        fits `budget` and is at most PAD_WASTE times their own tokens (or small), since a short prompt beside a long
-        one costs as much as the long one."""
-        seqs = [self._admitted.popleft()]
-        real = width = len(seqs[0].context)
-        while self._admitted:
-            n = len(self._admitted[0].context)
-            padded = (len(seqs) + 1) * max(width, n)
-            if padded > budget or padded > max(PAD_WASTE * (real + n), SMALL_PREFILL):
-                break
-            seqs.append(self._admitted.popleft())
-            real, width = real + n, max(width, n)
-        return seqs
+        return sample_next(seqs, logits[:, -1])  # the last column is every prompt's last token: right-aligned
 
     def _next_chunk(self, seq: Sequence, past: dict[str, np.ndarray | ort.OrtValue]) -> list[tuple[Sequence, int]]:
         """The next `budget` tokens of `seq`'s prompt on `past`, the feeds of those before them (1, kv, done, hs);
@@ -190,7 +175,7 @@ class StepRunner:
             return []
         self._partial = None
         self._join([seq], present, np.array([end], np.int64))
-        return self._sample([seq], logits[:, -1])
+        return sample_next([seq], logits[:, -1])
 
     def _partial_bytes(self) -> int:
         return nbytes(self._partial[1]) if self._partial is not None else 0
@@ -205,11 +190,27 @@ class StepRunner:
     def _run(self, feeds: dict[str, np.ndarray | ort.OrtValue]) -> tuple[np.ndarray, Past]:
         return run_step(self._session, self._outputs, feeds, self._cache.device)
 
-    @staticmethod
-    def _sample(seqs: list[Sequence] | tuple[Sequence, ...], logits: np.ndarray) -> list[tuple[Sequence, int]]:
-        """(n, V) logits of each sequence's last position -> each sequence with its next token."""
-        tokens = sample(logits, [s.params for s in seqs], [s.rng for s in seqs])  # (n,)
-        return list(zip(seqs, tokens.tolist(), strict=True))
+
+def prefill_batch(admitted: deque[Sequence], budget: int) -> list[Sequence]:
+    """The admitted prompts one prefill runs together, taken from `admitted` in order: while their padded size (rows
+    x the longest) fits `budget` and is at most PAD_WASTE times their own tokens (or small), since a short prompt
+    beside a long one costs as much as the long one."""
+    seqs = [admitted.popleft()]
+    real = width = len(seqs[0].context)
+    while admitted:
+        n = len(admitted[0].context)
+        padded = (len(seqs) + 1) * max(width, n)
+        if padded > budget or padded > max(PAD_WASTE * (real + n), SMALL_PREFILL):
+            break
+        seqs.append(admitted.popleft())
+        real, width = real + n, max(width, n)
+    return seqs
+
+
+def sample_next(seqs: list[Sequence] | tuple[Sequence, ...], logits: np.ndarray) -> list[tuple[Sequence, int]]:
+    """(n, V) logits of each sequence's last position -> each sequence with its next token."""
+    tokens = sample(logits, [s.params for s in seqs], [s.rng for s in seqs])  # (n,)
+    return list(zip(seqs, tokens.tolist(), strict=True))
 
 
 def _width(value: np.ndarray | ort.OrtValue) -> int:

@@ -16,6 +16,7 @@ from service.errors import ModelQueueFullError, NotReadyError
 from service.generate.kv_cache import charged_width
 from service.generate.output import ABORT
 from service.generate.sequence import Sequence
+from service.generate.slot_cache import charge
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class SchedulerState:
     paused: int = 0  # sequences whose consumer stopped reading: no row, no step, until it reads again
     kv_bytes: int = 0  # what the KV cache held at the peak of the last step (past, present and copies)
     kv_budget_bytes: int = 0
+    preemptions: int = 0  # running sequences sent back to the queue for room so far (vLLM's num_preemptions)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -58,6 +60,9 @@ class Limits:
     max_waiting: int
     queue_timeout_s: float
     kv_budget_bytes: int = 0  # what kv_budget_tokens costs in bytes, for the usage gauge
+    # 0: the cache is a rectangle of rows x width (service/generate/kv_cache.py); else it is written in place, and each
+    # sequence holds its own final length rounded up to whole blocks of this many tokens (slot_cache.py)
+    block: int = 0
 
 
 class Scheduler:
@@ -73,7 +78,7 @@ class Scheduler:
         self._held: dict[int, Sequence] = {}  # left the batch, their rows not dropped yet by the step runner
         self._paused: dict[int, Sequence] = {}  # their consumers stopped reading
         self._kv_bytes = 0
-        self._steps = 0
+        self._steps = self._preemptions = 0
         self._draining = self._closed = False
 
     def add(self, seq: Sequence) -> None:
@@ -131,6 +136,7 @@ class Scheduler:
             while not (self._waiting or self._running or self._held or self._paused or self._closed):
                 self._work.wait()
             left = self._take_stopped()
+            self._preempt()
             decode = tuple(self._running.values())
             prefill, drop_left = self._admit()  # before the timeout: one that can start now does, however late
             expired = self._take_expired(time.perf_counter())
@@ -162,12 +168,33 @@ class Scheduler:
                 len(self._paused),
                 self._kv_bytes,
                 self._limits.kv_budget_bytes,
+                self._preemptions,
             )
 
     def _reserved(self, extra: Sequence | None = None, held: bool = True) -> int:
-        """Rows held (running, left unless not `held`, and `extra`) x the width they may reach. Lock held."""
+        """What the rows held may reach. Where the cache is written in place: the running sequences' and `extra`'s
+        tokens after the next step, each in whole blocks (a row that left is dropped before the step writes);
+        else the rows (running, left unless not `held`, and `extra`) x the width they may reach. Lock held."""
+        if self._limits.block:
+            seqs = [*self._running.values(), *([extra] if extra else [])]
+            return sum(charge(s.length, self._limits.block) for s in seqs)
         seqs = [*self._running.values(), *(self._held.values() if held else ()), *([extra] if extra else [])]
         return len(seqs) * charged_width([s.kv_tokens for s in seqs], self._limits.max_len) if seqs else 0
+
+    def _watermark(self) -> int:
+        """Room kept for every running row to grow a block, as vLLM keeps a watermark, so that an admission is not
+        preempted at the next step (none where a row is charged the whole context: it never grows). Lock held."""
+        block = self._limits.block
+        return len(self._running) * block if block < self._limits.max_len else 0
+
+    def _preempt(self) -> None:
+        """Where the cache is written in place and the running sequences' next step would not fit the budget, the
+        youngest go back to the head of the queue until it does (vLLM's recompute preemption: their rows dropped,
+        their prompt and tokens so far recomputed once there is room). Lock held."""
+        while self._limits.block and len(self._running) > 1 and self._reserved() > self._limits.kv_budget_tokens:
+            seq = self._running.pop(next(reversed(self._running)))
+            self._waiting.appendleft(seq)
+            self._preemptions += 1
 
     def _take_stopped(self) -> tuple[Sequence, ...]:
         """Cancelled and aborted sequences out of the lists; a running one's row stays charged until dropped. Lock
@@ -196,7 +223,10 @@ class Scheduler:
         admitted, drop, budget = [], False, self._limits.kv_budget_tokens
         while self._waiting and len(self._running) < self._limits.max_running:
             seq = self._waiting[0]
-            if self._reserved(seq, held=not drop) > budget:
+            if self._limits.block:  # in place: room for its tokens, and a watermark (below)
+                if self._reserved(seq) + self._watermark() > budget:
+                    break
+            elif self._reserved(seq, held=not drop) > budget:
                 if drop or not self._held or self._reserved(seq, held=False) > budget:
                     break
                 drop = True

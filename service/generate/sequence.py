@@ -65,6 +65,11 @@ class Sequence:
         return len(self.prompt) + self.params.max_tokens
 
     @property
+    def length(self) -> int:
+        """Its tokens so far, prompt and generated: what its row holds once its next step has run."""
+        return len(self.prompt) + len(self.generated)
+
+    @property
     def context(self) -> tuple[int, ...]:
         """What its prefill runs: the prompt, and the tokens so far of a sequence resumed after a pause."""
         return self.prompt + tuple(self.generated) if self.generated else self.prompt

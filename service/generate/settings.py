@@ -11,6 +11,7 @@ import numpy as np
 from contract.decoder_metadata import DecoderMetadata
 from service.generate.kv_cache import COPIES, charged_width, token_bytes
 from service.generate.scheduler import Limits
+from service.generate.slot_cache import charge, page_tokens
 from service.runtime import SPINNING
 
 MIB = 2**20
@@ -57,35 +58,52 @@ class GenerationSettings:
         if problems:
             raise ValueError("bad generation settings: " + "; ".join(problems))
 
-    def kv_budget_tokens(self, meta: DecoderMetadata, itemsize: int = 4) -> int:
-        """The budget as rows x width of the batch's cache for this model, whose cache holds `itemsize`-byte values
-        (4: float32, 2: float16); ValueError when it cannot hold one full context (a request that fits the context
-        must always be able to run, alone). kv_cache_mb bounds bytes: a step holds COPIES rectangles of the batch
-        (service/generate/kv_cache.py), so it buys kv_cache_mb / (COPIES x bytes per token) tokens."""
+    def kv_budget_tokens(self, meta: DecoderMetadata, itemsize: int = 4, block: int | None = None) -> int:
+        """The budget in tokens for this model, whose cache holds `itemsize`-byte values (4: float32, 2: float16);
+        ValueError when it cannot hold one full context (a request that fits the context must always be able to run,
+        alone). kv_cache_mb bounds bytes: a cache written in place holds each sequence's own tokens (in whole
+        `block`s; None: the host's pages, service/generate/slot_cache.py), a concatenated one COPIES rectangles of
+        the batch (kv_cache.py), so it buys kv_cache_mb / (copies x bytes per token) tokens."""
         token = token_bytes(meta, np.dtype(f"f{itemsize}"))
+        copies, block = _layout(meta, itemsize, block)
+        least = charge(meta.max_len, block) if block else meta.max_len
         if self.kv_cache_tokens is not None:
             tokens, said = self.kv_cache_tokens, f"kv_cache_tokens={self.kv_cache_tokens}"
         else:
-            tokens = int(self.kv_cache_mb * MIB // (COPIES * token))
-            said = f"kv_cache_mb={self.kv_cache_mb:g} ({tokens} tokens at {COPIES} x {token} bytes a token)"
-        if tokens < meta.max_len:
+            tokens = int(self.kv_cache_mb * MIB // (copies * token))
+            said = f"kv_cache_mb={self.kv_cache_mb:g} ({tokens} tokens at {copies} x {token} bytes a token)"
+        if tokens < least:
             raise ValueError(
                 f"model {meta.name!r}: {said} cannot hold one context of {meta.max_len} tokens; raise it to at least "
-                f"{math.ceil(meta.max_len * COPIES * token / MIB)} MiB or {meta.max_len} tokens"
+                f"{math.ceil(least * copies * token / MIB)} MiB or {least} tokens"
             )
         return tokens
 
     def rows_held(self, meta: DecoderMetadata, final_tokens: int, itemsize: int = 4) -> int:
-        """How many sequences of `final_tokens` each (prompt + max_tokens) the budget runs at once."""
-        return self.kv_budget_tokens(meta, itemsize) // charged_width([final_tokens], meta.max_len)
+        """How many sequences of `final_tokens` each (prompt + max_tokens) the budget runs at once (on the CPU)."""
+        _, block = _layout(meta, itemsize, None)
+        held = charge(final_tokens, block) if block else charged_width([final_tokens], meta.max_len)
+        return self.kv_budget_tokens(meta, itemsize) // held
 
-    def limits(self, meta: DecoderMetadata, itemsize: int = 4) -> Limits:
-        tokens = self.kv_budget_tokens(meta, itemsize)
-        budget_bytes = COPIES * tokens * token_bytes(meta, np.dtype(f"f{itemsize}"))
-        return Limits(tokens, meta.max_len, self.max_running, self.max_waiting, self.queue_timeout_s, budget_bytes)
+    def limits(self, meta: DecoderMetadata, itemsize: int = 4, block: int | None = None) -> Limits:
+        """`block`: what a cache written in place charges a row in (None: the host's pages)."""
+        tokens = self.kv_budget_tokens(meta, itemsize, block)
+        copies, block = _layout(meta, itemsize, block)
+        budget_bytes = copies * tokens * token_bytes(meta, np.dtype(f"f{itemsize}"))
+        return Limits(
+            tokens, meta.max_len, self.max_running, self.max_waiting, self.queue_timeout_s, budget_bytes, block
+        )
+
+
+def _layout(meta: DecoderMetadata, itemsize: int, block: int | None) -> tuple[int, int]:
+    """The copies of the batch a step holds and the block a row is charged in (0: a rectangle of rows x width)."""
+    if not meta.cache_in_place:
+        return COPIES, 0
+    return 1, page_tokens(meta, np.dtype(f"f{itemsize}")) if block is None else block
 
 
 def kv_cache_mb_for(meta: DecoderMetadata, rows: int, final_tokens: int, itemsize: int = 4) -> float:
-    """The kv_cache_mb that runs `rows` sequences of `final_tokens` each (prompt + max_tokens) at once."""
-    width = charged_width([final_tokens], meta.max_len)
-    return COPIES * rows * width * token_bytes(meta, np.dtype(f"f{itemsize}")) / MIB
+    """The kv_cache_mb that runs `rows` sequences of `final_tokens` each (prompt + max_tokens) at once (on the CPU)."""
+    copies, block = _layout(meta, itemsize, None)
+    width = charge(final_tokens, block) if block else charged_width([final_tokens], meta.max_len)
+    return copies * rows * width * token_bytes(meta, np.dtype(f"f{itemsize}")) / MIB

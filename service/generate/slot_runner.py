@@ -1,0 +1,165 @@
+"""The step runner of a decoder whose cache is written in place (service/generate/slot_cache.py): executes one
+Schedule (one decoding step for the running rows, then at most one prefill run: admitted prompts padded together,
+or the next chunk of a long one) with the cache's rows bound as past and present, and samples each sequence's next
+token. The same contract as StepRunner's (`execute`, `released`, `peak_bytes`, `reset`). Runs on the engine's
+thread only. No torch."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import numpy as np
+import onnxruntime as ort
+
+from service.generate.runner import cache_device, prefill_batch, sample_next
+from service.generate.scheduler import Schedule
+from service.generate.sequence import Sequence
+from service.generate.session import DecoderRuntime
+from service.generate.settings import GenerationSettings
+from service.generate.slot_cache import SlotCache
+
+
+class SlotRunner:
+    """Owns the rows: `_seqs[r]` is row r's sequence, the decoding ones first, then the prompt running in chunks (if
+    any). After each `execute`, `released` holds the sequences whose rows (or prompts not run) it dropped, and
+    `peak_bytes` what the cache holds."""
+
+    def __init__(
+        self,
+        runtime: DecoderRuntime,
+        rows: int,
+        io_binding: bool | None = None,
+        prefill_chunk: int = GenerationSettings.prefill_chunk,
+    ) -> None:
+        """`rows`: the most sequences at once (max_running); `io_binding` (None: on the GPU only): the buffers on the
+        session's device, else in host memory."""
+        self._session, self._pad_id = runtime.session, runtime.meta.pad_id
+        self._logits = runtime.meta.output_names[0]
+        device = "cuda" if cache_device(runtime, io_binding) == "cuda" else None
+        providers = runtime.session.get_providers()
+        self.cache = SlotCache(runtime.meta, np.dtype(runtime.cache_dtype), rows, device, providers)
+        self._seqs: list[Sequence] = []
+        self._partial: Sequence | None = None  # a prompt part-run in chunks: the last row, its tokens so far cached
+        self._admitted: deque[Sequence] = deque()  # admitted, in order, their prompts not run yet
+        self._chunk = prefill_chunk
+        self.released: list[Sequence] = []
+        self.peak_bytes = 0
+
+    @property
+    def _decoding(self) -> int:
+        return len(self._seqs) - (self._partial is not None)
+
+    def execute(self, plan: Schedule) -> list[tuple[Sequence, int]]:
+        """Every sequence of `plan.decode` and `plan.prefill` with its next token. Rows not in `plan.decode` left
+        (cancelled, aborted, paused, or finished in the last step): each takes the last row's place at once."""
+        self.released = []
+        staying = {seq.id for seq in plan.decode}  # the scheduler's running sequences: prompts not run included
+        self._leave(staying)
+        self.released += [s for s in self._admitted if s.id not in staying]
+        self._admitted = deque(s for s in self._admitted if s.id in staying)
+        self._admitted.extend(plan.prefill)
+        tokens = self._decode() if self._decoding else []
+        if self._partial is not None:
+            tokens += self._next_chunk()
+        elif self._admitted:
+            tokens += self._prefill()
+        self.peak_bytes = self.cache.nbytes if self._seqs else 0
+        return tokens
+
+    def reset(self) -> None:
+        """Forget the rows and the prompts not run (after a failed run: the cache may be half-written)."""
+        self.released = [*self._seqs, *self._admitted]
+        self.cache.clear()
+        self._seqs, self._partial, self._admitted = [], None, deque()
+
+    def _leave(self, staying: set[int]) -> None:
+        """The decoding rows whose sequences left are filled by the last ones that stay, then the prompt in chunks
+        moves up behind them; the rows past the end give their pages back."""
+        decoding = self._decoding
+        leaving = [r for r in range(decoding) if self._seqs[r].id not in staying]
+        partial_leaves = self._partial is not None and self._partial.id not in staying
+        if not leaving and not partial_leaves:
+            return
+        kept = decoding - len(leaving)
+        holes = [r for r in leaving if r < kept]
+        movers = [r for r in range(kept, decoding) if self._seqs[r].id in staying]
+        self.released += [self._seqs[r] for r in leaving]
+        for hole, row in zip(holes, movers, strict=True):
+            self.cache.move(row, hole)
+            self._seqs[hole] = self._seqs[row]
+        seqs = self._seqs[:kept]
+        if partial_leaves:
+            self.released.append(self._partial)  # type: ignore[arg-type]
+            self._partial = None
+        elif self._partial is not None:
+            if decoding != kept:
+                self.cache.move(decoding, kept)
+            seqs.append(self._partial)
+        self.cache.truncate(len(seqs))
+        self._seqs = seqs
+
+    def _decode(self) -> list[tuple[Sequence, int]]:
+        rows = self._decoding
+        seqs = self._seqs[:rows]
+        tokens = np.array([seq.next_input for seq in seqs], np.int64)  # (n,)
+        logits = self._run(self.cache.decode_feeds(tokens), 0, rows)  # (n, 1, V)
+        self.cache.advance(rows)
+        return sample_next(seqs, logits[:, -1])
+
+    def _budget(self) -> int:
+        """Prompt tokens this step may run: a chunk while others decode (their next token waits for it), else all."""
+        return self._chunk if self._decoding else 1 << 62
+
+    def _prefill(self) -> list[tuple[Sequence, int]]:
+        """One run for the admitted prompts that fit the step's budget together, into new rows at the end; a first
+        prompt longer than the budget starts in chunks."""
+        budget, first = self._budget(), self._admitted[0]
+        now = time.perf_counter()
+        if len(first.context) > budget:
+            self._admitted.popleft()
+            first.started = first.started or now
+            self.cache.add([0])
+            self._seqs.append(first)
+            self._partial = first
+            return self._next_chunk()
+        seqs = prefill_batch(self._admitted, budget)
+        contexts = [seq.context for seq in seqs]  # a resumed sequence recomputes its tokens so far too
+        for seq in seqs:
+            seq.started = seq.started or now
+        row = self.cache.add([len(c) for c in contexts])
+        logits = self._run(SlotCache.prefill_feeds(contexts, self._pad_id), row, len(seqs))  # (n, P, V)
+        self.cache.trim(row)
+        self._seqs += seqs
+        last = np.array([len(c) - 1 for c in contexts])  # (n,): each prompt's last token, its column
+        return sample_next(seqs, logits[np.arange(len(seqs)), last])
+
+    def _next_chunk(self) -> list[tuple[Sequence, int]]:
+        """The next part of the prompt in chunks, into its row after the tokens run before; once the last has run,
+        its row is a decoding one and it has its first token."""
+        seq, row = self._partial, len(self._seqs) - 1
+        assert seq is not None
+        done, context = int(self.cache.lengths[row]), seq.context
+        ids = np.asarray(context[done : done + self._budget()], np.int64)[None]  # (1, c)
+        logits = self._run(SlotCache.chunk_feeds(ids, done), row, 1)  # (1, c, V)
+        self.cache.grow(row, ids.shape[1])
+        if done + ids.shape[1] < len(context):
+            return []
+        self._partial = None
+        return sample_next([seq], logits[:, -1])
+
+    def _run(self, feeds: dict[str, np.ndarray], first: int, rows: int) -> np.ndarray:
+        return run_in_place(self._session, self._logits, self.cache, feeds, first, rows)
+
+
+def run_in_place(
+    session: ort.InferenceSession, logits: str, cache: SlotCache, feeds: dict[str, np.ndarray], first: int, rows: int
+) -> np.ndarray:
+    """One run over the cache's rows [first, first + rows): the logits, on the host."""
+    binding = session.io_binding()
+    for name, value in feeds.items():
+        binding.bind_cpu_input(name, value)
+    binding.bind_output(logits, "cpu")  # first: get_outputs() follows the binding's order
+    cache.bind(binding, first, rows)
+    session.run_with_iobinding(binding)
+    return binding.get_outputs()[0].numpy()
