@@ -38,7 +38,9 @@ def server(tmp_path_factory):
     config = {
         "models_dir": str(out),
         "backend": "cpu",
-        "generate": {"kv_cache_tokens": KV_TOKENS, "threads": 1, "queue_timeout_s": QUEUE_TIMEOUT_S},
+        # one sequence at a time: a LONG stream holds the running batch (its KV is charged as it grows, so the budget
+        # alone would let a short request in beside it)
+        "generate": {"kv_cache_tokens": KV_TOKENS, "max_running": 1, "threads": 1, "queue_timeout_s": QUEUE_TIMEOUT_S},
         "limits": {"drain_s": DRAIN_S},
         "overrides": {LM: {"placement": "deployment"}, LONG: {"placement": "deployment"}},
     }
@@ -103,7 +105,7 @@ def test_a_prompt_beyond_the_context_is_a_400_from_the_ingress_naming_both_numbe
 
 
 def test_a_refusal_raised_in_the_replica_keeps_its_status_and_message(http):
-    """While a LONG sequence holds the whole KV budget, a short request waits in the replica's engine past
+    """While a LONG sequence holds the running batch, a short request waits in the replica's engine past
     generate.queue_timeout_s: a 503 with Retry-After and the engine's own message, not Ray's traceback. Tried again
     should the LONG one end first (a machine so fast that it ends within the timeout)."""
     for _ in range(5):
@@ -122,7 +124,7 @@ def test_a_refusal_raised_in_the_replica_keeps_its_status_and_message(http):
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_sequence_in_the_replica(http):
-    """Each LONG request reserves the whole KV budget: the next starts only once the one before has left."""
+    """One sequence runs at a time: the next starts only once the one before has left."""
     start = time.perf_counter()
     whole = http.post("/openai/v1/completions", json=_long(KV_TOKENS - 1))
     full_s = time.perf_counter() - start

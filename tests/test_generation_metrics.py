@@ -20,7 +20,7 @@ from benchmarks.harness.server import ServerProcess
 
 LM = "lm-h4-kv1-d32"  # the tiny decoder (context 64): the completions counted
 LONG = "lm-h4-kv4-d64"  # 8 layers: a whole stream (8191 tokens) takes ~50 s on 2 cores, far past the checks
-LONG_CONTEXT = 8192  # also generate.kv_cache_tokens: a LONG stream of the whole context is charged the whole budget
+LONG_CONTEXT = 8192  # also generate.kv_cache_tokens: a LONG stream of the whole context fills the budget at its end
 QUEUE_TIMEOUT_S = 5.0  # generate.queue_timeout_s: a request waiting behind the LONG stream gets its 503 by then
 COMPLETIONS = 6  # to LM, each running to max_tokens (finished_reason "length")
 MAX_TOKENS = 8
@@ -49,6 +49,7 @@ def server(request, models_dir):
             "kv_cache_tokens": LONG_CONTEXT,
             "threads": 1,
             "max_waiting": 1,  # one request waits behind a LONG stream; the next is refused at once
+            "max_running": 1,  # the LONG stream holds the batch (its KV is charged as it grows, not reserved)
             "queue_timeout_s": QUEUE_TIMEOUT_S,
         },
         "overrides": {name: {"placement": request.param} for name in (LM, LONG)},
@@ -105,7 +106,7 @@ def test_finished_requests_are_counted_by_finished_reason_with_their_end_to_end_
 
 
 def test_the_gauges_follow_an_open_stream_to_its_disconnect_and_both_503s_of_a_full_queue_are_rejections(server, prom):
-    """A LONG stream holds the whole KV budget: one more request waits and times out (503), the next finds the
+    """A LONG stream holds the running batch: one more request waits and times out (503), the next finds the
     queue full (503); the stream's client then goes away mid-stream, and running falls back to 0."""
     selector = f'model="{LONG}"'
     running = f"sum by (model, kv_heads) (ray_mha_num_requests_running{{{selector}}})"
@@ -118,7 +119,7 @@ def test_the_gauges_follow_an_open_stream_to_its_disconnect_and_both_503s_of_a_f
     ):
         assert stream.status_code == 200
         lines = stream.iter_lines()  # kept: a line iterator dropped closes its connection
-        next(lines)  # the first chunk: the sequence runs, holding the whole budget
+        next(lines)  # the first chunk: the sequence runs, holding the running batch
         seen = prom.wait_for(running, lambda res: _by(res, "kv_heads") == {("4",): 1}, 30)
         assert _by(seen, "model", "kv_heads") == {(LONG, "4"): 1}
         # the bytes its one row holds at a step's peak (past and present), a share of the budget's two full rows

@@ -6,12 +6,13 @@ benchmarks.served_decoders kv-heads` and `... int8` on a quiet machine."""
 from __future__ import annotations
 
 import json
+import math
+import mmap
 import statistics
 
 import pytest
 
 from benchmarks import served_decoders
-from service.generate.kv_cache import LEAVE_SLACK
 from service.generate.session import load_decoder
 from service.generate.settings import MIB
 from tests.conftest import export_tiny_decoder
@@ -36,9 +37,11 @@ def test_each_decoder_is_served_in_every_round_and_its_kv_budget_is_priced_by_it
         got = decoders[name]
         meta = load_decoder(tmp_path, name, "cpu", 1).meta
         assert got["kv_heads"] == meta.kv_heads and got["kv_bytes_per_token"] == meta.kv_bytes_per_token
-        # two copies of rows x (their length + LEAVE_SLACK, within the context) in the budget
-        tokens = int(KV_MB * MIB // (2 * meta.kv_bytes_per_token))
-        assert got["sequences_in_budget"] == tokens // min(PROMPT + NEW + LEAVE_SLACK, meta.max_len)
+        # the cache written in place: one copy, each sequence's final length in whole pages of a head's tokens
+        assert meta.cache_in_place
+        block = mmap.PAGESIZE // math.gcd(mmap.PAGESIZE, meta.head_dim * 4)
+        tokens = int(KV_MB * MIB // meta.kv_bytes_per_token)
+        assert got["sequences_in_budget"] == tokens // (-(-(PROMPT + NEW) // block) * block)
         assert got["errors"] == 0 and got["quality"] == "untrained"
         assert [r["tokens"] for r in got["rounds"]] == [C * NEW] * ROUNDS
         per_round = [r["tokens_s"] / f["tokens_s"] for r, f in zip(got["rounds"], first, strict=True)]

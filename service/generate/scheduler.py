@@ -172,13 +172,12 @@ class Scheduler:
             )
 
     def _reserved(self, extra: Sequence | None = None, held: bool = True) -> int:
-        """What the rows held may reach. Where the cache is written in place: the running sequences' and `extra`'s
-        tokens after the next step, each in whole blocks (a row that left is dropped before the step writes);
-        else the rows (running, left unless not `held`, and `extra`) x the width they may reach. Lock held."""
-        if self._limits.block:
-            seqs = [*self._running.values(), *([extra] if extra else [])]
-            return sum(charge(s.length, self._limits.block) for s in seqs)
+        """What the rows held (running, left unless not `held`, and `extra`) may reach. Where the cache is written in
+        place: their tokens after the next step, each in whole blocks; else rows x the width they may reach. Lock
+        held."""
         seqs = [*self._running.values(), *(self._held.values() if held else ()), *([extra] if extra else [])]
+        if self._limits.block:
+            return sum(charge(s.length, self._limits.block) for s in seqs)
         return len(seqs) * charged_width([s.kv_tokens for s in seqs], self._limits.max_len) if seqs else 0
 
     def _watermark(self) -> int:
@@ -191,7 +190,9 @@ class Scheduler:
         """Where the cache is written in place and the running sequences' next step would not fit the budget, the
         youngest go back to the head of the queue until it does (vLLM's recompute preemption: their rows dropped,
         their prompt and tokens so far recomputed once there is room). Lock held."""
-        while self._limits.block and len(self._running) > 1 and self._reserved() > self._limits.kv_budget_tokens:
+        # rows that left are not counted: the step drops them before it writes
+        budget = self._limits.kv_budget_tokens
+        while self._limits.block and len(self._running) > 1 and self._reserved(held=False) > budget:
             seq = self._running.pop(next(reversed(self._running)))
             self._waiting.appendleft(seq)
             self._preemptions += 1
@@ -223,8 +224,8 @@ class Scheduler:
         admitted, drop, budget = [], False, self._limits.kv_budget_tokens
         while self._waiting and len(self._running) < self._limits.max_running:
             seq = self._waiting[0]
-            if self._limits.block:  # in place: room for its tokens, and a watermark (below)
-                if self._reserved(seq) + self._watermark() > budget:
+            if self._limits.block:  # in place: room for its tokens, and a watermark (below); left rows go first
+                if self._reserved(seq, held=False) + self._watermark() > budget:
                     break
             elif self._reserved(seq, held=not drop) > budget:
                 if drop or not self._held or self._reserved(seq, held=False) > budget:
