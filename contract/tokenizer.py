@@ -12,6 +12,7 @@ BOS_ID = 1  # prepended to every text
 EOS_ID = 2  # reserved
 UNK_ID = 3  # reserved
 NUM_SPECIAL = 4
+SPECIAL_NAMES = ("<pad>", "<bos>", "<eos>", "<unk>")  # by id, as tokenizer.json names them
 VOCAB_SIZE = NUM_SPECIAL + 256  # 260: every byte value has an id
 
 
@@ -45,6 +46,15 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         data = bytes(i - NUM_SPECIAL for i in ids if i >= NUM_SPECIAL)
         return data.decode("utf-8", errors="replace")
+
+    @staticmethod
+    def token_text(token: int) -> str:
+        """One id as a string, distinct for every id (for logprobs): a special token's name, a byte below 128 as its
+        character, any other byte as `bytes:\\xNN` (what OpenAI writes for part of a character)."""
+        if token < NUM_SPECIAL:
+            return SPECIAL_NAMES[token]
+        byte = token - NUM_SPECIAL
+        return chr(byte) if byte < 128 else f"bytes:\\x{byte:02x}"
 
     def tokens(self, text: str) -> list[str]:
         """A printable label per token (for attention maps): '<bos>' then one entry per byte."""

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import json
 
-from contract.tokenizer import BOS_ID, EOS_ID, NUM_SPECIAL, PAD_ID, UNK_ID
+from contract.tokenizer import BOS_ID, EOS_ID, NUM_SPECIAL, PAD_ID, SPECIAL_NAMES, UNK_ID
 
-SPECIAL_TOKENS = {PAD_ID: "<pad>", BOS_ID: "<bos>", EOS_ID: "<eos>", UNK_ID: "<unk>"}
+SPECIAL_TOKENS = dict(enumerate(SPECIAL_NAMES))
 
 
 def byte_symbols() -> list[str]:

@@ -658,3 +658,34 @@ def test_a_consumer_that_stops_reading_pauses_its_sequence_and_gets_the_same_tex
     assert max(b - a for a, b in itertools.pairwise(steps)) >= 20, "no gap: it was fed while paused"
     assert _ids(events) == alone and events[-1].usage.completion_tokens == 200
     assert other[-1].usage.completion_tokens == 200
+
+
+def test_logprobs_of_greedy_tokens_head_their_alternatives_and_equal_what_the_prompt_gives_them_echoed(models_dir):
+    """A greedy completion's logprobs (the chosen token first among 3 alternatives), then the prompt and that
+    completion run as one prompt for its logprobs alone (max_tokens 0): the prefill gives the same tokens the same
+    logprobs as the decoding steps did, within float error, and reference log-softmax values of a run without cache."""
+    prompt = [BOS_ID, *range(50, 70)]
+    asked = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
+    with _engine(models_dir, prefill_chunk=8) as engine:  # the echoed prompt runs in chunks
+        events = _run(_collect(engine, GenerateRequest(prompt, asked)))
+        generated = _ids(events)
+        echo = SamplingParams(max_tokens=0, temperature=0, logprobs=2, prompt_logprobs=2)
+        echoed = _run(_collect(engine, GenerateRequest(prompt + generated, echo)))
+    steps = [entry for e in events for entry in e.logprobs]
+    assert [s.token for s in steps] == generated and all(len(s.top) == 3 for s in steps)
+    assert all(s.top[0][0] == s.token and s.top[0][1] == s.logprob >= s.top[1][1] for s in steps)
+    assert events[0].prompt_logprobs is None  # not asked
+    assert len(echoed) == 1 and echoed[0].finish_reason == "length" and echoed[0].token_ids == ()
+    entries = echoed[0].prompt_logprobs
+    assert [e.token for e in entries] == prompt + generated and np.isnan(entries[0].logprob)
+    np.testing.assert_allclose([e.logprob for e in entries[-12:]], [s.logprob for s in steps], atol=1e-4)
+    session = ort.InferenceSession(str(models_dir / _name(2) / "model.onnx"), providers=["CPUExecutionProvider"])
+    ids = np.array([prompt + generated], np.int64)  # (1, T)
+    empty = np.zeros((1, 2, 0, D_MODEL // HEADS), np.float32)
+    past = {f"past_key_values.{i}.{kind}": empty for i in range(LAYERS) for kind in ("key", "value")}
+    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(ids.shape[1])[None]}
+    logits = session.run(["logits"], {**feeds, **past})[0][0].astype(np.float64)  # (T, V)
+    reference = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
+    want = [reference[t - 1, token] for t, token in enumerate(prompt + generated) if t]
+    np.testing.assert_allclose([e.logprob for e in entries[1:]], want, atol=1e-4)
+    assert all(len(e.top) == 2 for e in entries[1:])

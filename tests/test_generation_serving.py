@@ -202,6 +202,67 @@ def test_a_stop_string_ends_the_text_before_it(client):
     assert stopped.text == text[: text.index(stop)]
 
 
+def _text_of(tokens: list[str]) -> str:
+    """The text that logprobs' token strings spell: `bytes:\\xNN` a byte of a character, special names none."""
+    data = b"".join(
+        bytes((int(t[-2:], 16),)) if t.startswith("bytes:") else b"" if t.startswith("<") else t.encode()
+        for t in tokens
+    )
+    return data.decode("utf-8", errors="replace")
+
+
+def test_logprobs_name_each_greedy_token_first_among_its_alternatives_whole_and_streamed(client):
+    whole = client.completions.create(**_greedy() | {"logprobs": 3}).choices[0]
+    logprobs = whole.logprobs
+    assert len(logprobs.tokens) == 24 and _text_of(logprobs.tokens) == whole.text
+    for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True):
+        assert len(top) == 3 and max(top, key=top.get) == token and top[token] == logprob <= 0
+    assert logprobs.text_offset == sorted(logprobs.text_offset) and logprobs.text_offset[0] == 0
+    chunks = client.completions.create(**_greedy() | {"logprobs": 3, "stream": True})
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs is not None]
+    assert [t for lp in streamed for t in lp.tokens] == logprobs.tokens
+    assert [v for lp in streamed for v in lp.token_logprobs] == logprobs.token_logprobs
+    chat = client.chat.completions.create(
+        model=LM,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    ).choices[0]
+    content = chat.logprobs.content
+    assert _text_of([t.token for t in content]) == chat.message.content and len(content) == 6
+    assert all(t.top_logprobs[0].token == t.token and len(t.bytes) == 1 for t in content)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs: true"):
+        client.chat.completions.create(model=LM, messages=[{"role": "user", "content": "hi"}], top_logprobs=2)
+
+
+def test_echo_with_max_tokens_0_scores_a_continuation_as_its_completion_did(client):
+    """lm-eval's loglikelihood: the prompt and a continuation echoed with their logprobs, nothing generated; the
+    continuation's tokens get the logprobs the completion that made them gave them."""
+    made = client.completions.create(**_greedy() | {"max_tokens": 8, "logprobs": 1}).choices[0]
+    scored = client.completions.create(model=LM, prompt=PROMPT + made.text, max_tokens=0, echo=True, logprobs=1)
+    choice = scored.choices[0]
+    assert choice.text == PROMPT + made.text and choice.finish_reason == "length"
+    assert scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == PROMPT_TOKENS + 8
+    tokens = choice.logprobs.tokens
+    assert (
+        tokens[0] == "<bos>" and choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
+    )
+    assert _text_of(tokens) == PROMPT + made.text and len(tokens) == PROMPT_TOKENS + 8
+    assert choice.logprobs.token_logprobs[-8:] == pytest.approx(made.logprobs.token_logprobs, abs=1e-4)
+    echoed = client.completions.create(**_greedy() | {"max_tokens": 4, "echo": True})  # echo alone: text, no logprobs
+    assert echoed.choices[0].text.startswith(PROMPT) and echoed.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError, match="logprobs=21 must be an integer from 0 to 20"):
+        client.completions.create(model=LM, prompt=PROMPT, logprobs=21)
+    with pytest.raises(
+        openai.BadRequestError,
+        match=r"max_tokens=0 must be an integer >= 1 \(0: the prompt's logprobs only, with echo\)",
+    ):
+        client.completions.create(model=LM, prompt=PROMPT, max_tokens=0)
+
+
 def test_the_oip_generate_and_generate_stream_agree_with_the_completion(client, http):
     text = client.completions.create(**_greedy()).choices[0].text
     body = {"text_input": PROMPT, "parameters": {"max_tokens": 24, "temperature": 0, "ignore_eos": True}}

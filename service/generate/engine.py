@@ -14,7 +14,7 @@ import numpy as np
 
 from service import heap
 from service.errors import GenerationFailedError, QueueTimeoutError
-from service.generate.output import CANCELLED, TextOutput
+from service.generate.output import CANCELLED, LENGTH, TextOutput
 from service.generate.request import GenerateRequest, TokenEvent
 from service.generate.runner import StepRunner
 from service.generate.scheduler import Schedule, Scheduler, SchedulerState
@@ -117,6 +117,10 @@ class GenerationEngine:
         now = time.perf_counter()
         outbox, finished = self._ended(plan, now), []
         for seq, token in tokens:
+            if not seq.params.max_tokens:  # its prompt only, for its logprobs: no token
+                outbox.append((seq, seq.event(plan.step, (), "", now, LENGTH)))
+                finished.append(seq)
+                continue
             seq.next_input = token
             seq.generated.append(token)
             delta = seq.output.add(token)

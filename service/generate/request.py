@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from contract.decoder_metadata import DecoderMetadata
 from contract.tokenizer import ByteTokenizer
 from service.errors import BadRequestError, ContextLengthError, PromptError, SamplingParamsError, prefixed
-from service.generate.sampling import SamplingParams
+from service.generate.sampling import SamplingParams, TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -101,3 +101,6 @@ class TokenEvent:
     usage: Usage | None = None
     timing: Timing | None = None
     queued_s: float | None = None  # on the sequence's first event with a token: arrival -> the start of its prefill
+    logprobs: tuple[TokenLogprobs, ...] = ()  # each token's, when its sampling parameters ask
+    # the prompt's tokens' after the first, on the sequence's first event (with a token, or its last), when asked
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None

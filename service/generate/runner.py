@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import replace
 
 import numpy as np
 import onnxruntime as ort
@@ -14,7 +15,7 @@ import onnxruntime as ort
 from contract.decoder_metadata import POSITION_IDS
 from contract.metadata import ATTENTION_MASK, INPUT_IDS
 from service.generate.kv_cache import BatchCache, Past, charged_width, nbytes
-from service.generate.sampling import sample
+from service.generate.sampling import logprobs_of, sample
 from service.generate.scheduler import Schedule
 from service.generate.sequence import Sequence
 from service.generate.session import DecoderRuntime
@@ -153,6 +154,8 @@ class StepRunner:
         logits, present = self._run(feeds)  # (n, P, V), (n, kv, P, hs) per layer
         self._note(self._cache.nbytes + nbytes(present))
         self._join(seqs, present, lengths)
+        for row, seq in enumerate(seqs):
+            note_prompt(seq, logits[row, width - lengths[row] :], 0)  # (n, P, V): right-aligned
         return sample_next(seqs, logits[:, -1])  # the last column is every prompt's last token: right-aligned
 
     def _next_chunk(self, seq: Sequence, past: dict[str, np.ndarray | ort.OrtValue]) -> list[tuple[Sequence, int]]:
@@ -169,6 +172,7 @@ class StepRunner:
             **past,
         }
         logits, present = self._run(feeds)  # (1, n, V), (1, kv, done + n, hs) per layer
+        note_prompt(seq, logits[0], done)
         self._note(self._cache.nbytes + nbytes(past) + nbytes(present))
         if end < len(context):
             self._partial = (seq, dict(zip(self._cache.past_names, present, strict=True)))
@@ -208,9 +212,26 @@ def prefill_batch(admitted: deque[Sequence], budget: int) -> list[Sequence]:
 
 
 def sample_next(seqs: list[Sequence] | tuple[Sequence, ...], logits: np.ndarray) -> list[tuple[Sequence, int]]:
-    """(n, V) logits of each sequence's last position -> each sequence with its next token."""
+    """(n, V) logits of each sequence's last position -> each sequence with its next token (and its logprobs, for
+    those that ask)."""
     tokens = sample(logits, [s.params for s in seqs], [s.rng for s in seqs])  # (n,)
+    asking = [row for row, seq in enumerate(seqs) if seq.params.logprobs is not None]
+    if asking:
+        top = max(seqs[row].params.logprobs or 0 for row in asking)
+        for row, found in zip(asking, logprobs_of(logits[asking], tokens[asking], top), strict=True):
+            seqs[row].logprobs = replace(found, top=found.top[: seqs[row].params.logprobs])
     return list(zip(seqs, tokens.tolist(), strict=True))
+
+
+def note_prompt(seq: Sequence, logits: np.ndarray, first: int) -> None:
+    """`logits` (T, V) of positions first .. first + T - 1 of `seq`'s context: the logprobs they give its prompt's
+    next tokens, kept for its first event, when its params ask (a resumed sequence's were sent already)."""
+    if seq.prompt_sent or first + 1 != len(seq.prompt_logprobs):  # entries: the first token's, then a position's each
+        return
+    end = min(first + len(logits), len(seq.prompt) - 1)  # position p gives token p + 1's
+    if end > first:
+        following = np.asarray(seq.prompt[first + 1 : end + 1], np.int64)  # (end - first,)
+        seq.prompt_logprobs += logprobs_of(logits[: end - first], following, seq.params.prompt_logprobs or 0)
 
 
 def _width(value: np.ndarray | ort.OrtValue) -> int:

@@ -13,6 +13,7 @@ from service.errors import SamplingParamsError
 MAX_STOPS = 16  # stop strings per request: each is searched for after every token
 MAX_STOP_CHARS = 256  # characters per stop string: the text held back can be this long less one
 SEED_LIMIT = 2**64  # numpy's generators take any non-negative integer; this is what the wire formats carry
+MAX_LOGPROBS = 20  # the most likely alternatives a token's logprobs may list (vLLM's default bound)
 
 
 def _is_int(value: object) -> bool:
@@ -34,6 +35,10 @@ class SamplingParams:
     seed: int | None = None  # None: a fresh random generator for this request
     stop: tuple[str, ...] = ()  # the text ends before the first of these (found across tokens; never returned)
     ignore_eos: bool = False  # go on past EOS up to max_tokens (vLLM's option, for benchmarks)
+    # each generated token's log-probability and its `logprobs` likeliest alternatives (0: none), from the model's
+    # distribution before temperature, top-k or top-p (as vLLM's); None: none
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first (OpenAI's echo); None: none
 
     def __post_init__(self) -> None:
         # null (none), a lone string or a list from JSON: one spelling, a tuple. A lone "" is kept, to be refused as
@@ -47,8 +52,12 @@ class SamplingParams:
             raise SamplingParamsError("bad sampling parameters: " + "; ".join(problems))
 
     def _number_problem(self) -> str:
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            return f"max_tokens={self.max_tokens!r} must be an integer >= 1"
+        if not _is_int(self.max_tokens) or self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
+            return f"max_tokens={self.max_tokens!r} must be an integer >= 1 (0: the prompt's logprobs only, with echo)"
+        for key in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, key)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                return f"{key}={value!r} must be an integer from 0 to {MAX_LOGPROBS}"
         if not _is_number(self.temperature) or self.temperature < 0:
             return f"temperature={self.temperature!r} must be a number >= 0 (0: greedy)"
         if not _is_int(self.top_k) or self.top_k < 0:
@@ -78,6 +87,32 @@ class SamplingParams:
     def generator(self) -> np.random.Generator:
         """This request's own generator: never shared, so its draws do not depend on what else runs."""
         return np.random.default_rng(self.seed)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A token's log-probability under the model, and the likeliest tokens' (id, logprob), most likely first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def logprobs_of(logits: np.ndarray, tokens: np.ndarray, top: int) -> list[TokenLogprobs]:
+    """(n, V) logits and (n,) the tokens that followed -> each token's log-softmax value and the `top` likeliest."""
+    scores = logits.astype(np.float64)
+    peak = scores.max(axis=-1, keepdims=True)  # (n, 1)
+    logp = scores - peak - np.log(np.exp(scores - peak).sum(axis=-1, keepdims=True))  # (n, V)
+    chosen = logp[np.arange(len(tokens)), tokens]  # (n,)
+    if top:
+        best = np.argpartition(-logp, top - 1, axis=-1)[:, :top]  # (n, top), unordered: no full sort per row
+        order = np.argsort(-np.take_along_axis(logp, best, axis=-1), axis=-1, kind="stable")
+        best = np.take_along_axis(best, order, axis=-1)  # (n, top), most likely first
+    rows = []
+    for row, token in enumerate(tokens.tolist()):
+        alternatives = tuple((int(i), float(logp[row, i])) for i in best[row]) if top else ()
+        rows.append(TokenLogprobs(token, float(chosen[row]), alternatives))
+    return rows
 
 
 def sample(logits: np.ndarray, params: list[SamplingParams], generators: list[np.random.Generator]) -> np.ndarray:

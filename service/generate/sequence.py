@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import time
 from typing import TYPE_CHECKING
 
 from service.generate.output import TextOutput
 from service.generate.request import Timing, TokenEvent, Usage
-from service.generate.sampling import SamplingParams
+from service.generate.sampling import SamplingParams, TokenLogprobs
 
 if TYPE_CHECKING:
     from service.generate.stream import TokenStream
@@ -27,11 +28,14 @@ class Sequence:
         "first_token",
         "generated",
         "id",
+        "logprobs",
         "loop",
         "next_input",
         "output",
         "params",
         "prompt",
+        "prompt_logprobs",
+        "prompt_sent",
         "rng",
         "sink",
         "started",
@@ -54,6 +58,11 @@ class Sequence:
         self.first_token = 0.0  # when its first token's event was made
         self.next_input = -1  # the last token generated: the input of its next decoding step
         self.generated: list[int] = []  # its tokens so far: with the prompt, what a resumed sequence recomputes
+        self.logprobs: TokenLogprobs | None = None  # its last token's, when its params ask (set by the sampling)
+        # its prompt tokens' (the first's NaN: nothing comes before it), filled as its prompt's chunks run (when its
+        # params ask), sent once
+        self.prompt_logprobs = [TokenLogprobs(prompt[0], math.nan)] if params.prompt_logprobs is not None else []
+        self.prompt_sent = params.prompt_logprobs is None
         self.stop_reason: str | None = None  # CANCELLED or ABORT, asked for from outside the engine's thread
         self.loop = asyncio.get_running_loop()
         self.sink: TokenStream | None = None  # its consumer's stream (which sets it), fed on `loop`'s thread only
@@ -79,15 +88,19 @@ class Sequence:
 
     def event(self, step: int, tokens: tuple[int, ...], text: str, now: float, finish: str | None = None) -> TokenEvent:
         """Its next event, made on the engine's thread at the end of a step; the last one (a finish_reason) carries
-        usage and timing."""
+        usage and timing; a token's logprobs and, once, the prompt's go with the tokens, when its params ask."""
         # the queue time goes out on the first event, so that it is known of a stream its consumer leaves early
         starts = bool(tokens) and not self.first_token
         if starts:
             self.first_token = now
         queued_s = self.started - self.arrived if starts else None
+        logprobs = (self.logprobs,) if tokens and self.logprobs is not None else ()
+        prompt = None
+        if not self.prompt_sent and (tokens or finish is not None):
+            prompt, self.prompt_sent = tuple(self.prompt_logprobs), True
         if finish is None:
-            return TokenEvent(tokens, text, now, step, queued_s=queued_s)
+            return TokenEvent(tokens, text, now, step, queued_s=queued_s, logprobs=logprobs, prompt_logprobs=prompt)
         queued = self.started - self.arrived if self.started else 0.0
         first = self.first_token - self.arrived if self.first_token else 0.0
         timing = Timing(self.arrived, queued, first, now - self.arrived)
-        return TokenEvent(tokens, text, now, step, finish, self.usage(), timing, queued_s)
+        return TokenEvent(tokens, text, now, step, finish, self.usage(), timing, queued_s, logprobs, prompt)

@@ -12,7 +12,7 @@ from collections import deque
 import numpy as np
 import onnxruntime as ort
 
-from service.generate.runner import cache_device, prefill_batch, sample_next
+from service.generate.runner import cache_device, note_prompt, prefill_batch, sample_next
 from service.generate.scheduler import Schedule
 from service.generate.sequence import Sequence
 from service.generate.session import DecoderRuntime
@@ -131,6 +131,8 @@ class SlotRunner:
         logits = self._run(SlotCache.prefill_feeds(contexts, self._pad_id), row, len(seqs))  # (n, P, V)
         self.cache.trim(row)
         self._seqs += seqs
+        for at, (seq, context) in enumerate(zip(seqs, contexts, strict=True)):
+            note_prompt(seq, logits[at, : len(context)], 0)
         last = np.array([len(c) - 1 for c in contexts])  # (n,): each prompt's last token, its column
         return sample_next(seqs, logits[np.arange(len(seqs)), last])
 
@@ -143,6 +145,7 @@ class SlotRunner:
         ids = np.asarray(context[done : done + self._budget()], np.int64)[None]  # (1, c)
         logits = self._run(SlotCache.chunk_feeds(ids, done), row, 1)  # (1, c, V)
         self.cache.grow(row, ids.shape[1])
+        note_prompt(seq, logits[0], done)
         if done + ids.shape[1] < len(context):
             return []
         self._partial = None

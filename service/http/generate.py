@@ -119,11 +119,15 @@ async def opened(
         raise
 
 
-async def _all(first: tuple[int, TokenEvent], events: Events) -> tuple[dict[int, str], dict[int, TokenEvent]]:
-    """Each choice's whole text and last event, by index."""
+async def _all(
+    first: tuple[int, TokenEvent], events: Events, take: Callable[[int, TokenEvent], object] | None = None
+) -> tuple[dict[int, str], dict[int, TokenEvent]]:
+    """Each choice's whole text and last event, by index; `take` sees every event."""
     texts: dict[int, list[str]] = {}
     lasts: dict[int, TokenEvent] = {}
     async for index, event in _each(first, events):
+        if take is not None:
+            take(index, event)
         texts.setdefault(index, []).append(event.text)
         lasts[index] = event
     return {index: "".join(parts) for index, parts in texts.items()}, lasts
@@ -160,7 +164,7 @@ async def completions(plane: DataPlane, request: Request) -> Response:
     arrived = arrival(request)
     body = await json_body(request, plane, openai.CompletionRequest)
     first, events = await opened(plane, COMPLETIONS, body.model, lambda _: openai.to_requests(body), arrived)
-    return await _answered(plane, body, openai.Completion(body.model, openai.choices(body)), first, events)
+    return await _answered(plane, body, openai.Completion.of(body), first, events)
 
 
 async def chat_completions(plane: DataPlane, templates: ChatTemplates, request: Request) -> Response:
@@ -173,7 +177,7 @@ async def chat_completions(plane: DataPlane, templates: ChatTemplates, request: 
         return openai.to_requests(chat.as_completion(body, templates.render(model, chat.messages(body))))
 
     first, events = await opened(plane, CHAT_COMPLETIONS, body.model, build, arrived)
-    return await _answered(plane, body, chat.ChatCompletion(body.model, openai.choices(body)), first, events)
+    return await _answered(plane, body, chat.ChatCompletion.of(body), first, events)
 
 
 async def _answered(
@@ -185,7 +189,7 @@ async def _answered(
 ) -> Response:
     """The whole completion, or its chunks as server-sent events (the usage last, when asked)."""
     if not body.stream:
-        texts, lasts = await _all(first, events)
+        texts, lasts = await _all(first, events, completion.take)
         return json_response(completion.whole(texts, lasts))
     with_usage = body.stream_options is not None and body.stream_options.include_usage
 

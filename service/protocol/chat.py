@@ -1,7 +1,7 @@
 """OpenAI's chat completions (`/openai/v1/chat/completions`): the messages rendered by the model's chat template into
 one prompt (service/chat_template.py), then the same choices as a completion's (service/protocol/openai.py), answered
-in the chat format: a message per choice, or a stream of deltas. What is not built (logprobs, tools, penalties,
-logit_bias) is a 400 that says so. No torch.
+in the chat format: a message per choice, or a stream of deltas, with logprobs when asked. What is not built (tools,
+penalties, logit_bias) is a 400 that says so. No torch.
 """
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from service.errors import BadRequestError
+from service.generate.sampling import MAX_LOGPROBS
 from service.protocol import openai
+from service.protocol.logprobs import chat_logprobs
 from service.protocol.openai import MAX_N, StreamOptions
 
 
@@ -51,8 +53,10 @@ class ChatCompletionRequest(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = Field(False, description="go on past EOS up to max_tokens (vLLM's, for benchmarks)")
     user: str | None = Field(None, description="accepted and not used")
-    logprobs: bool | None = Field(False, description="false only: not built")
-    top_logprobs: int | None = Field(None, description="null only: not built")
+    logprobs: bool | None = Field(False, description="each token's logprob (the model's, before temperature)")
+    top_logprobs: int | None = Field(
+        None, description=f"with logprobs: the 0 to {MAX_LOGPROBS} likeliest alternatives of each token"
+    )
     presence_penalty: float | None = Field(0.0, description="0 only: not built")
     frequency_penalty: float | None = Field(0.0, description="0 only: not built")
     logit_bias: dict[str, float] | None = Field(None, description="null or {} only: not built")
@@ -60,8 +64,6 @@ class ChatCompletionRequest(BaseModel):
 
 def _unsupported(body: ChatCompletionRequest) -> list[str]:
     given = [
-        ("logprobs", bool(body.logprobs)),
-        ("top_logprobs", body.top_logprobs is not None),
         ("presence_penalty", body.presence_penalty not in (None, 0)),
         ("frequency_penalty", body.frequency_penalty not in (None, 0)),
         ("logit_bias", bool(body.logit_bias)),
@@ -73,14 +75,21 @@ def as_completion(body: ChatCompletionRequest, prompt: str) -> openai.Completion
     """The completion the chat asks for, of the rendered `prompt`: one request path from here on."""
     unsupported = _unsupported(body)
     if unsupported:
-        raise BadRequestError(f"not supported: {', '.join(unsupported)} (no logprobs)")
+        raise BadRequestError(f"not supported: {', '.join(unsupported)} (no penalties or logit_bias)")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise BadRequestError("top_logprobs needs logprobs: true")
     if body.max_tokens is not None and body.max_completion_tokens not in (None, body.max_tokens):
         raise BadRequestError("give max_completion_tokens or max_tokens (its old name), not two different values")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     fields = ("temperature", "top_p", "top_k", "seed", "stop", "n", "ignore_eos")
     chosen = {name: getattr(body, name) for name in fields}
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
     return openai.CompletionRequest(
-        model=body.model, prompt=prompt, max_tokens=16 if max_tokens is None else max_tokens, **chosen
+        model=body.model,
+        prompt=prompt,
+        max_tokens=16 if max_tokens is None else max_tokens,
+        logprobs=logprobs,
+        **chosen,
     )
 
 
@@ -95,9 +104,14 @@ class ChatCompletion(openai.Completion):
 
     prefix, object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
-    def __init__(self, model: str, n: int = 1) -> None:
-        super().__init__(model, n)
+    def __init__(self, model: str, n: int = 1, logprobs: bool = False) -> None:
+        super().__init__(model, n, logprobs)
         self._started: set[int] = set()
+        self.logprobs_format = chat_logprobs
+
+    @classmethod
+    def of(cls, body: ChatCompletionRequest) -> ChatCompletion:  # type: ignore[override]
+        return cls(body.model, 1 if body.n is None else body.n, bool(body.logprobs))
 
     def _content(self, index: int, text: str, chunk: bool) -> dict[str, Any]:
         if not chunk:
@@ -113,10 +127,26 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    """Each token of the message (`bytes:\\xNN` for a byte that is part of a character, its bytes as they are)."""
+
+    content: list[TokenLogprob]
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None
 
 

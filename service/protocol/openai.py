@@ -1,7 +1,7 @@
 """OpenAI's completions wire format (`/openai/v1`, as KServe's OpenAI data plane): the request decoded into
 GenerateRequests, one per choice (each prompt of a batch, `n` times), and the answer, whole or as stream chunks,
-encoded from their token events. What is not built (best_of, logprobs, echo, suffix, penalties, logit_bias) is a 400
-that says so. No torch.
+encoded from their token events, with logprobs and the echoed prompt when asked. What is not built (best_of, suffix,
+penalties, logit_bias) is a 400 that says so. No torch.
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from contract.decoder_metadata import DecoderMetadata
 from service.errors import BadRequestError
 from service.generate import OPENAI_FINISH_REASONS, GenerateRequest, SamplingParams, TokenEvent
+from service.generate.sampling import MAX_LOGPROBS
 from service.inference import ModelStatus
+from service.protocol.logprobs import ChoiceLogprobs, completion_logprobs
 
 # Why a sequence ended, as OpenAI says it: "stop" for a stop string or EOS, "length" at max_tokens; vLLM's "abort".
 FINISH = OPENAI_FINISH_REASONS
@@ -55,8 +57,16 @@ class CompletionRequest(BaseModel):
         "the seed's j-th child, so a request gives the same choices alone or batched",
     )
     best_of: int | None = Field(None, description="null, 1 or n only")
-    logprobs: int | None = Field(None, description="null only: not built")
-    echo: bool | None = Field(False, description="false only: not built")
+    logprobs: int | None = Field(
+        None,
+        description=f"each token's logprob and its 0 to {MAX_LOGPROBS} likeliest alternatives (the model's, before "
+        "temperature, top_k or top_p); null: none",
+    )
+    echo: bool | None = Field(
+        False,
+        description="the prompt's text (and with logprobs its tokens') before the completion's; max_tokens 0 "
+        "gives the prompt's alone",
+    )
     suffix: str | None = Field(None, description="null only: not built")
     presence_penalty: float | None = Field(0.0, description="0 only: not built")
     frequency_penalty: float | None = Field(0.0, description="0 only: not built")
@@ -66,8 +76,6 @@ class CompletionRequest(BaseModel):
 def _unsupported(body: CompletionRequest) -> list[str]:
     given = [
         ("best_of", body.best_of not in (None, 1, body.n)),
-        ("logprobs", body.logprobs is not None),
-        ("echo", bool(body.echo)),
         ("suffix", bool(body.suffix)),
         ("presence_penalty", body.presence_penalty not in (None, 0)),
         ("frequency_penalty", body.frequency_penalty not in (None, 0)),
@@ -98,7 +106,7 @@ def to_requests(body: CompletionRequest) -> list[GenerateRequest]:
     supported or out of bounds, SamplingParamsError for bad values. The engine's checks of a batch's prompt name it."""
     unsupported = _unsupported(body)
     if unsupported:
-        raise BadRequestError(f"not supported: {', '.join(unsupported)} (no best_of, logprobs, echo or suffix)")
+        raise BadRequestError(f"not supported: {', '.join(unsupported)} (no best_of or suffix)")
     n, batch = choices(body), prompts(body)
     if isinstance(n, bool) or not 1 <= n <= MAX_N:
         raise BadRequestError(f"n={body.n!r} must be 1 to {MAX_N}")
@@ -112,6 +120,8 @@ def to_requests(body: CompletionRequest) -> list[GenerateRequest]:
         seed=body.seed,
         stop=body.stop,
         ignore_eos=body.ignore_eos,
+        logprobs=body.logprobs,
+        prompt_logprobs=(body.logprobs or 0) if body.echo else None,  # the echoed text comes from the prompt's tokens
     )
     requests = []
     for i, prompt in enumerate(batch):
@@ -134,10 +144,27 @@ class Completion:
 
     prefix, object, chunk_object = "cmpl", "text_completion", "text_completion"
 
-    def __init__(self, model: str, n: int = 1) -> None:
+    def __init__(self, model: str, n: int = 1, logprobs: bool = False, echo: bool = False) -> None:
         self.id, self.created, self.model = f"{self.prefix}-{uuid.uuid4().hex}", int(time.time()), model
         self._n = n
         self._prompt = self._completion = 0
+        self._logprobs, self._echo = logprobs, echo
+        self._choices: dict[int, ChoiceLogprobs] = {}  # by index, when logprobs or echo are asked
+        self._echoed: dict[int, str] = {}  # each choice's prompt text, with echo
+        self.logprobs_format = completion_logprobs
+
+    @classmethod
+    def of(cls, body: CompletionRequest) -> Completion:
+        return cls(body.model, choices(body), body.logprobs is not None, bool(body.echo))
+
+    def take(self, index: int, event: TokenEvent) -> tuple[str, dict[str, list[Any]] | None]:
+        """Choice `index`'s event seen: the echoed prompt's text it brings, and its logprobs (None: not asked)."""
+        if not (self._logprobs or self._echo):
+            return "", None
+        echoed, entries = self._choices.setdefault(index, ChoiceLogprobs(self._echo)).take(event)
+        if echoed:
+            self._echoed[index] = echoed
+        return echoed, (self.logprobs_format(entries) if self._logprobs else None)
 
     def _envelope(self, choices: list[dict[str, Any]], usage: dict[str, int] | None, chunk: bool = False) -> dict:
         kind = self.chunk_object if chunk else self.object
@@ -151,21 +178,30 @@ class Completion:
             self._completion += last.usage.completion_tokens
 
     def whole(self, texts: dict[int, str], lasts: dict[int, TokenEvent]) -> dict[str, Any]:
-        """Every choice's text and last event, by index."""
+        """Every choice's text and last event, by index (each of its events `take`n)."""
         for index, last in lasts.items():
             self.ended(index, last)
-        choices = [self._choice(i, texts[i], lasts[i].finish_reason, False) for i in sorted(texts)]
+        choices = []
+        for i in sorted(texts):
+            text, seen = self._echoed.get(i, "") + texts[i], self._choices.get(i)
+            logprobs = self.logprobs_format(seen.entries) if seen is not None and self._logprobs else None
+            choices.append(self._choice(i, text, lasts[i].finish_reason, False, logprobs))
         return self._envelope(choices, self.usage())
 
     def chunk(self, index: int, event: TokenEvent) -> dict[str, Any]:
-        """A stream chunk: choice `index`'s text delta; its last has the finish_reason."""
+        """A stream chunk: choice `index`'s text delta (after the echoed prompt's, on its first) and its tokens'
+        logprobs; its last has the finish_reason."""
         if event.finish_reason is not None:
             self.ended(index, event)
-        return self._envelope([self._choice(index, event.text, event.finish_reason, True)], None, chunk=True)
+        echoed, entries = self.take(index, event)
+        choice = self._choice(index, echoed + event.text, event.finish_reason, True, entries)
+        return self._envelope([choice], None, chunk=True)
 
-    def _choice(self, index: int, text: str, finish_reason: str | None, chunk: bool) -> dict[str, Any]:
+    def _choice(
+        self, index: int, text: str, finish_reason: str | None, chunk: bool, logprobs: dict | None = None
+    ) -> dict[str, Any]:
         reason = None if finish_reason is None else FINISH.get(finish_reason, finish_reason)
-        return {"index": index, **self._content(index, text, chunk), "logprobs": None, "finish_reason": reason}
+        return {"index": index, **self._content(index, text, chunk), "logprobs": logprobs, "finish_reason": reason}
 
     def _content(self, index: int, text: str, chunk: bool) -> dict[str, Any]:
         """Choice `index`'s `text` (whole, or a `chunk`'s delta) as the answer's format writes it."""
@@ -211,10 +247,20 @@ class ModelList(BaseModel):
     data: list[Model]
 
 
+class Logprobs(BaseModel):
+    """A choice's tokens (`bytes:\\xNN` for a byte that is part of a character), the logprob of each (null for an
+    echoed prompt's first), its likeliest alternatives by token, and where each begins in the choice's text."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class Choice(BaseModel):
     text: str
     index: int
-    logprobs: None = None
+    logprobs: Logprobs | None = None
     finish_reason: str | None
 
 
