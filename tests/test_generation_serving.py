@@ -172,8 +172,8 @@ def test_a_chat_with_a_model_without_a_template_or_a_malformed_message_is_a_400_
         assert answer.status_code == 400 and "role" in answer.json()["error"]["message"], answer.text
     empty = http.post("/openai/v1/chat/completions", json={"model": LM, "messages": []})
     assert empty.status_code == 400 and "messages" in empty.json()["error"]["message"]
-    with pytest.raises(openai.BadRequestError, match="not supported: logprobs=True"):
-        client.chat.completions.create(model=LM, messages=[{"role": "user", "content": "hi"}], logprobs=True)
+    with pytest.raises(openai.BadRequestError, match="not supported: presence_penalty=0.5"):
+        client.chat.completions.create(model=LM, messages=[{"role": "user", "content": "hi"}], presence_penalty=0.5)
 
 
 def test_a_decoder_is_retrieved_by_name_and_an_unknown_one_is_a_404_in_openais_shape(client, http):
@@ -211,6 +211,11 @@ def _text_of(tokens: list[str]) -> str:
     return data.decode("utf-8", errors="replace")
 
 
+def _id(token: str) -> int:
+    """The id a logprobs token string names (byte-v1: a byte + 4)."""
+    return (int(token[-2:], 16) if token.startswith("bytes:") else ord(token)) + 4
+
+
 def test_logprobs_name_each_greedy_token_first_among_its_alternatives_whole_and_streamed(client):
     whole = client.completions.create(**_greedy() | {"logprobs": 3}).choices[0]
     logprobs = whole.logprobs
@@ -242,7 +247,8 @@ def test_echo_with_max_tokens_0_scores_a_continuation_as_its_completion_did(clie
     """lm-eval's loglikelihood: the prompt and a continuation echoed with their logprobs, nothing generated; the
     continuation's tokens get the logprobs the completion that made them gave them."""
     made = client.completions.create(**_greedy() | {"max_tokens": 8, "logprobs": 1}).choices[0]
-    scored = client.completions.create(model=LM, prompt=PROMPT + made.text, max_tokens=0, echo=True, logprobs=1)
+    ids = ByteTokenizer(64).encode(PROMPT) + [_id(token) for token in made.logprobs.tokens]  # as token ids: exact
+    scored = client.completions.create(model=LM, prompt=ids, max_tokens=0, echo=True, logprobs=1)
     choice = scored.choices[0]
     assert choice.text == PROMPT + made.text and choice.finish_reason == "length"
     assert scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == PROMPT_TOKENS + 8
