@@ -19,12 +19,13 @@ MIB = 2**20
 
 @dataclass(frozen=True)
 class GenerationSettings:
-    # 128 MiB holds 32 rows of a full 128-token context of the default decoder (d_model 512, 8 kv heads, 4 layers:
-    # 16 KiB a token, twice: a step holds its past and present), as many as max_running. On 2 cores, past 32 rows a
-    # step buys little more throughput (and none past 64) while every stream's tokens come further apart.
+    # 128 MiB holds 8,192 tokens of the default decoder (d_model 512, 8 kv heads, 4 layers: 16 KiB a token) written in
+    # place, 32 rows of 256 (max_running's); concatenated, 32 rows of a full 128-token context (twice: a step holds its
+    # past and present). On 2 cores, past 32 rows a step buys little more throughput (and none past 64) while every
+    # stream's tokens come further apart.
     kv_cache_mb: float = 128.0
-    # The budget as rows x width of the batch instead (it wins over kv_cache_mb when set); its bytes are COPIES x it x
-    # a token's bytes.
+    # The budget in tokens instead (it wins over kv_cache_mb when set); its bytes are a token's bytes x it (x COPIES
+    # for a concatenated cache).
     kv_cache_tokens: int | None = None
     max_running: int = 32  # sequences in one decoding step whatever the budget: a step's batch size (see above)
     # Prompt tokens (rows x padded width) one step runs while other sequences decode: a longer prompt runs in chunks
