@@ -111,11 +111,13 @@ class RemoteDecoder(NotAClassifier):
         status seen yet). The replica gets the request's age, not its arrival: perf_counter is this process's own."""
         if self._meta is None:
             raise NotReadyError(f"model {self.name!r} is not ready: its replica has not answered yet")
-        prompt = request.checked(self._meta)
+        checked = request.checked(self._meta)
         now = time.perf_counter()
         arrived = now if request.arrived is None else request.arrived
-        call = dataclasses.replace(request, prompt=prompt, arrived=None)
-        stream = RemoteStream(self.name, self._handle.generate.remote(call, now - arrived), len(prompt), arrived)
+        call = dataclasses.replace(checked, arrived=None)
+        stream = RemoteStream(
+            self.name, self._handle.generate.remote(call, now - arrived), len(checked.prompt), arrived
+        )
         self._streams = {s for s in self._streams if not s.done}
         self._streams.add(stream)
         return stream

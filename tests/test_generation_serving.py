@@ -156,8 +156,13 @@ def test_a_chat_is_the_completion_of_its_messages_rendered_by_the_models_templat
         firsts.setdefault(choice.index, choice.delta.role)
         texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
     assert firsts == {0: "assistant", 1: "assistant"}  # each choice's first delta names the role
-    default = client.completions.create(model=LM, prompt=rendered, **asked | {"max_tokens": None}).choices[0].text
-    assert texts == {0: default, 1: default}  # greedy twice; max_tokens 16 when none is given
+    until_end = client.completions.create(model=LM, prompt=rendered, **asked | {"max_tokens": 64 - 1 - len(rendered)})
+    assert texts == {0: until_end.choices[0].text} | {1: until_end.choices[0].text}  # greedy twice
+    # no max given: the chat goes on until the context (64) ends, as OpenAI's does; a completion stops at 16
+    whole = client.chat.completions.create(model=LM, messages=messages, **asked | {"max_tokens": None})
+    assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 64 - 1 - len(rendered)
+    default = client.completions.create(model=LM, prompt=rendered, **asked | {"max_tokens": None})
+    assert default.usage.completion_tokens == 16
     parts = [{"role": "user", "content": [{"type": "text", "text": "def f"}, {"type": "text", "text": "(x):"}]}]
     assert client.chat.completions.create(model=LM, messages=parts, **asked).choices[0].message.content == (
         client.chat.completions.create(model=LM, messages=messages[1:], **asked).choices[0].message.content

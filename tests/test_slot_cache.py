@@ -6,6 +6,7 @@ it."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import numpy as np
 import onnx
@@ -24,7 +25,7 @@ from service.generate.scheduler import Schedule
 from service.generate.sequence import Sequence
 from service.generate.session import load_decoder
 from service.generate.slot_cache import PAGE, buffer_width, page_tokens
-from service.generate.slot_runner import SlotRunner
+from service.generate.slot_runner import SlotRunner, slot_rows
 
 HEADS, KV, D_MODEL, LAYERS, MAX_LEN = 4, 2, 64, 2, 200  # head_dim 16: 64 bytes a head's token, 64 tokens a page
 
@@ -70,7 +71,7 @@ def test_rows_hold_their_own_pages_and_give_them_back_when_they_leave(runtime):
     reads as zeros)."""
 
     async def scenario() -> list[int]:
-        runner = SlotRunner(runtime, rows=8)
+        runner = SlotRunner(runtime, GenerationSettings(max_running=8))
         seqs = [_seq([BOS_ID, *range(40, 40 + n - 1)], 20) for n in (3, 70, 130, 10)]
         before = _resident(runner)
         runner.execute(Schedule(1, tuple(seqs), (), (), ()))  # the first three: 10 beside them would be padded
@@ -96,7 +97,7 @@ def test_rows_hold_their_own_pages_and_give_them_back_when_they_leave(runtime):
 
 def test_a_row_that_takes_a_leaving_ones_place_generates_what_it_generates_alone(runtime):
     async def tokens(together: bool) -> list[int]:
-        runner = SlotRunner(runtime, rows=4)
+        runner = SlotRunner(runtime, GenerationSettings(max_running=4))
         first, last = _seq([BOS_ID, 50, 51, 52], 30), _seq([BOS_ID, *range(60, 80)], 30)
         got: list[int] = []
         plans = [((first, last), ()), *[((), (first, last))] * 4, *[((), (last,))] * 10]
@@ -169,3 +170,13 @@ def test_streams_past_what_reservation_holds_run_at_once_preempted_and_recompute
     assert got == want
     assert state.preemptions > 0 and most >= 6, (state.preemptions, most)  # 1.5 x the 4 that reservation runs
     assert state.kv_budget_tokens == 768 and 768 // 192 == 4
+
+
+def test_a_device_buffer_has_no_more_rows_than_the_budget_holds_whole_contexts(runtime):
+    """On a GPU the buffer is allocated whole: its rows are max_running, or fewer where the KV budget holds fewer
+    rows of the whole (page-rounded) context; on the host, max_running (its pages exist once written)."""
+    gpu = dataclasses.replace(runtime, backend="gpu")
+    settings = GenerationSettings(max_running=32, kv_cache_tokens=1000)
+    assert slot_rows(gpu, settings, "cuda") == 1000 // 256 == 3  # the context, 200, in 256 columns
+    assert slot_rows(gpu, dataclasses.replace(settings, kv_cache_tokens=100_000), "cuda") == 32
+    assert slot_rows(runtime, settings, None) == 32

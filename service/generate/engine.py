@@ -40,7 +40,7 @@ class GenerationEngine:
         itemsize = np.dtype(runtime.cache_dtype).itemsize
         self._runner: StepRunner | SlotRunner
         if self.meta.cache_in_place:
-            self._runner = SlotRunner(runtime, settings.max_running, settings.io_binding, settings.prefill_chunk)
+            self._runner = SlotRunner(runtime, settings)
             limits = settings.limits(runtime.meta, itemsize, self._runner.cache.block)
         else:
             self._runner = StepRunner(runtime, settings.io_binding, settings.prefill_chunk)
@@ -60,9 +60,9 @@ class GenerationEngine:
         """Queue `request` and return its stream at once. Raises, with nothing queued: PromptError, ContextLengthError,
         SamplingParamsError (400); ModelQueueFullError (503, Retry-After); NotReadyError (503: draining or closed).
         Call it on the event loop that will read the stream."""
-        prompt = request.checked(self.meta)
+        request = request.checked(self.meta)
         output = TextOutput(request.params, self.meta.eos_id, self.meta.takes_text)
-        seq = Sequence(prompt, request.params, output, arrived=request.arrived)
+        seq = Sequence(request.prompt, request.params, output, arrived=request.arrived)  # type: ignore[arg-type]
         stream = TokenStream(seq, self._scheduler)
         self._scheduler.add(seq)
         return stream

@@ -3,7 +3,7 @@ token events of its stream, with usage and timing on the last one. No torch."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from contract.decoder_metadata import DecoderMetadata
 from contract.tokenizer import ByteTokenizer
@@ -21,6 +21,7 @@ class GenerateRequest:
     # token, queue time and end-to-end latency count from it, reading and parsing the body included
     arrived: float | None = None
     label: str = ""  # names it in its 400s, one of a batch ("prompt 2")
+    until_context: bool = False  # max_tokens: what the context leaves after the prompt (OpenAI's chat default)
 
     def __post_init__(self) -> None:
         if isinstance(self.prompt, list):  # from JSON: one spelling, a tuple
@@ -28,22 +29,24 @@ class GenerateRequest:
         if not isinstance(self.params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(self.params).__name__}")
 
-    def checked(self, meta: DecoderMetadata) -> tuple[int, ...]:
-        """The prompt's ids for `meta`'s model once the request passed every check against the model, all made here:
-        by the engine's `submit`, and for a decoder in its own deployment by the ingress first, before any Ray call
-        (its replica's engine then finds nothing wrong). PromptError, ContextLengthError or SamplingParamsError (a
-        400) say what is wrong, after the request's `label`."""
+    def checked(self, meta: DecoderMetadata) -> GenerateRequest:
+        """This request for `meta`'s model once it passed every check against the model, all made here: by the
+        engine's `submit`, and for a decoder in its own deployment by the ingress first, before any Ray call (its
+        replica's engine then finds nothing wrong): its prompt as ids, and `until_context`'s max_tokens counted.
+        PromptError, ContextLengthError or SamplingParamsError (a 400) say what is wrong, after the request's
+        `label`."""
         try:
             prompt = self.token_ids(meta)
             if self.params.stop and not meta.takes_text:
                 raise SamplingParamsError(
                     f"stop strings cannot be found: model {meta.name!r} makes token ids, no text ({meta.tokenizer!r})"
                 )
+            params = replace(self.params, max_tokens=meta.max_len - len(prompt)) if self.until_context else self.params
         except BadRequestError as exc:
             if not self.label:
                 raise
             raise prefixed(exc, self.label) from None
-        return prompt
+        return replace(self, prompt=prompt, params=params, until_context=False)
 
     def token_ids(self, meta: DecoderMetadata) -> tuple[int, ...]:
         """The prompt's ids for `meta`'s model; PromptError or ContextLengthError (a 400) say what is wrong."""
@@ -66,8 +69,9 @@ class GenerateRequest:
         return self.prompt
 
     def _check_context(self, meta: DecoderMetadata, prompt_tokens: int) -> None:
-        if prompt_tokens + self.params.max_tokens > meta.max_len:
-            raise ContextLengthError(meta.name, prompt_tokens, self.params.max_tokens, meta.max_len)
+        wanted = 1 if self.until_context else self.params.max_tokens  # until the context's end: room for one at least
+        if prompt_tokens + wanted > meta.max_len:
+            raise ContextLengthError(meta.name, prompt_tokens, wanted, meta.max_len)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from service.generate.scheduler import Schedule
 from service.generate.sequence import Sequence
 from service.generate.session import DecoderRuntime
 from service.generate.settings import GenerationSettings
-from service.generate.slot_cache import SlotCache
+from service.generate.slot_cache import SlotCache, buffer_width
 
 
 class SlotRunner:
@@ -28,21 +28,20 @@ class SlotRunner:
     def __init__(
         self,
         runtime: DecoderRuntime,
-        rows: int,
-        io_binding: bool | None = None,
-        prefill_chunk: int = GenerationSettings.prefill_chunk,
+        settings: GenerationSettings,
     ) -> None:
-        """`rows`: the most sequences at once (max_running); `io_binding` (None: on the GPU only): the buffers on the
-        session's device, else in host memory."""
+        """Rows for `settings.max_running` sequences, on the session's device with `settings.io_binding` (None: on
+        the GPU only), else in host memory."""
         self._session, self._pad_id = runtime.session, runtime.meta.pad_id
         self._logits = runtime.meta.output_names[0]
-        device = "cuda" if cache_device(runtime, io_binding) == "cuda" else None
+        device = "cuda" if cache_device(runtime, settings.io_binding) == "cuda" else None
         providers = runtime.session.get_providers()
-        self.cache = SlotCache(runtime.meta, np.dtype(runtime.cache_dtype), rows, device, providers)
+        dtype = np.dtype(runtime.cache_dtype)
+        self.cache = SlotCache(runtime.meta, dtype, slot_rows(runtime, settings, device), device, providers)
         self._seqs: list[Sequence] = []
         self._partial: Sequence | None = None  # a prompt part-run in chunks: the last row, its tokens so far cached
         self._admitted: deque[Sequence] = deque()  # admitted, in order, their prompts not run yet
-        self._chunk = prefill_chunk
+        self._chunk = settings.prefill_chunk
         self.released: list[Sequence] = []
         self.peak_bytes = 0
 
@@ -153,6 +152,16 @@ class SlotRunner:
 
     def _run(self, feeds: dict[str, np.ndarray], first: int, rows: int) -> np.ndarray:
         return run_in_place(self._session, self._logits, self.cache, feeds, first, rows)
+
+
+def slot_rows(runtime: DecoderRuntime, settings: GenerationSettings, device: str | None) -> int:
+    """The buffer's rows: max_running, and on a device (whose buffer is allocated whole) no more than the KV budget
+    holds rows of the whole context."""
+    if device is None:
+        return settings.max_running
+    dtype = np.dtype(runtime.cache_dtype)
+    width = buffer_width(runtime.meta, dtype)
+    return min(settings.max_running, settings.kv_budget_tokens(runtime.meta, dtype.itemsize, width) // width)
 
 
 def run_in_place(

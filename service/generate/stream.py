@@ -6,7 +6,6 @@ cancelled while it waits, or the stream dropped) ends the sequence. No torch."""
 from __future__ import annotations
 
 import asyncio
-from types import TracebackType
 from typing import Protocol
 
 from service.generate.output import CANCELLED
@@ -83,14 +82,6 @@ class TokenStream:
             self._controls.stop(self._seq, CANCELLED)
 
     async def aclose(self) -> None:
-        self.cancel()
-
-    async def __aenter__(self) -> TokenStream:
-        return self
-
-    async def __aexit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
         self.cancel()
 
     def __del__(self) -> None:

@@ -174,7 +174,7 @@ async def chat_completions(plane: DataPlane, templates: ChatTemplates, request: 
     body = await json_body(request, plane, chat.ChatCompletionRequest)
 
     def build(model: str) -> list[GenerateRequest]:
-        return openai.to_requests(chat.as_completion(body, templates.render(model, chat.messages(body))))
+        return chat.to_requests(body, templates.render(model, chat.messages(body)))
 
     first, events = await opened(plane, CHAT_COMPLETIONS, body.model, build, arrived)
     return await _answered(plane, body, chat.ChatCompletion.of(body), first, events)

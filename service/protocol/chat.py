@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from service.errors import BadRequestError
+from service.generate import GenerateRequest
 from service.generate.sampling import MAX_LOGPROBS
 from service.protocol import openai
 from service.protocol.logprobs import chat_logprobs
@@ -42,7 +43,9 @@ class ChatCompletionRequest(BaseModel):
     model: str = Field(description="a decoder's name (GET /openai/v1/models) with a chat template")
     messages: list[Message] = Field(min_length=1, description="the conversation, rendered by the model's template")
     max_completion_tokens: int | None = Field(None, description="tokens to generate at most (max_tokens's new name)")
-    max_tokens: int | None = Field(None, description="tokens to generate at most; 16 when neither is given")
+    max_tokens: int | None = Field(
+        None, description="tokens to generate at most; when neither is given, what the context leaves after the prompt"
+    )
     temperature: float | None = Field(1.0, description="0: greedy")
     top_p: float | None = Field(1.0, description="nucleus sampling: (0, 1]")
     top_k: int | None = Field(None, description="the k most likely tokens only (vLLM's); 0 or null: all")
@@ -91,6 +94,13 @@ def as_completion(body: ChatCompletionRequest, prompt: str) -> openai.Completion
         logprobs=logprobs,
         **chosen,
     )
+
+
+def to_requests(body: ChatCompletionRequest, prompt: str) -> list[GenerateRequest]:
+    """The engine's requests for the rendered `prompt`: a completion's, generating until the context ends unless a
+    max is given (OpenAI's chat default)."""
+    given = body.max_completion_tokens is not None or body.max_tokens is not None
+    return openai.to_requests(as_completion(body, prompt), until_context=not given)
 
 
 def messages(body: ChatCompletionRequest) -> list[dict[str, str]]:

@@ -101,9 +101,10 @@ def choices(body: CompletionRequest) -> int:
     return 1 if body.n is None else body.n
 
 
-def to_requests(body: CompletionRequest) -> list[GenerateRequest]:
+def to_requests(body: CompletionRequest, until_context: bool = False) -> list[GenerateRequest]:
     """The engine's requests, choice j of prompt i at index i x n + j; BadRequestError (400) for what is not
-    supported or out of bounds, SamplingParamsError for bad values. The engine's checks of a batch's prompt name it."""
+    supported or out of bounds, SamplingParamsError for bad values. The engine's checks of a batch's prompt name it.
+    `until_context`: max_tokens is what the model's context leaves after each prompt (a chat's default)."""
     unsupported = _unsupported(body)
     if unsupported:
         raise BadRequestError(f"not supported: {', '.join(unsupported)} (no best_of or suffix)")
@@ -128,7 +129,7 @@ def to_requests(body: CompletionRequest) -> list[GenerateRequest]:
         label = f"prompt {i}" if len(batch) > 1 else ""
         for j in range(n):
             choice = params if j == 0 or params.seed is None else replace(params, seed=child_seed(params.seed, j))
-            requests.append(GenerateRequest(prompt, choice, label=label))
+            requests.append(GenerateRequest(prompt, choice, label=label, until_context=until_context))
     return requests
 
 
