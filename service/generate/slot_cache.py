@@ -23,6 +23,7 @@ import onnxruntime as ort
 
 from contract.decoder_metadata import POSITION_IDS, DecoderMetadata
 from contract.metadata import ATTENTION_MASK, INPUT_IDS
+from service.generate.kv_cache import token_bytes
 from service.generate.row_copy import RowCopy
 
 PAGE = mmap.PAGESIZE
@@ -66,7 +67,7 @@ class SlotCache:
         self._shape = (meta.kv_heads, self.width, meta.head_dim)  # one row
         self._row_bytes = int(np.prod(self._shape)) * self._dtype.itemsize
         self._head_bytes = self.width * meta.head_dim * self._dtype.itemsize  # page-aligned: width is whole pages
-        self.token_bytes = 2 * meta.layers * meta.kv_heads * meta.head_dim * self._dtype.itemsize
+        self.token_bytes = token_bytes(meta, self._dtype)
         self.lengths = np.zeros(0, np.int64)  # (n,) tokens cached per row in use
         if device is None:
             # private: a page given back is freed (a shared mapping would keep it and map it back on the next read)
