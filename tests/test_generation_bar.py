@@ -117,8 +117,8 @@ BAD_COMPLETIONS = [
     ("no prompt", {"model": MQA}, "prompt"),
     ("17 stop strings", {"model": MQA, "prompt": "x", "stop": [str(i) for i in range(17)]}, "stop"),
     ("best_of 2", {"model": MQA, "prompt": "x", "best_of": 2}, "not supported: best_of"),
-    ("logprobs", {"model": MQA, "prompt": "x", "logprobs": 1}, "not supported: logprobs"),
-    ("echo", {"model": MQA, "prompt": "x", "echo": True}, "not supported: echo"),
+    ("logprobs 21", {"model": MQA, "prompt": "x", "logprobs": 21}, "logprobs=21 must be an integer from 0 to 20"),
+    ("max_tokens 0 without echo", {"model": MQA, "prompt": "x", "max_tokens": 0}, "max_tokens=0 must be"),
     ("top_p 0", {"model": MQA, "prompt": "x", "top_p": 0}, "top_p"),
     (
         "huge max_tokens",
