@@ -17,7 +17,7 @@ from contract.metadata import ATTENTION_MASK, INPUT_IDS
 from service.generate.runner import cache_device, run_step
 from service.generate.session import DecoderRuntime
 from service.generate.slot_cache import SlotCache
-from service.generate.slot_runner import run_in_place
+from service.generate.slot_runner import run_in_place, slot_device
 
 
 def greedy_steps(
@@ -50,7 +50,7 @@ def greedy_steps(
 def _in_place_steps(runtime: DecoderRuntime, prompts: np.ndarray, new: int, bound: bool | None) -> Iterator[np.ndarray]:
     """greedy_steps with the rows of one buffer bound as past and present (service/generate/slot_cache.py)."""
     meta, (batch, total) = runtime.meta, prompts.shape
-    device = "cuda" if cache_device(runtime, bound) == "cuda" else None
+    device = slot_device(runtime, bound)
     providers = runtime.session.get_providers()
     cache = SlotCache(meta, np.dtype(runtime.cache_dtype), batch, device, providers)
     cache.add([total] * batch)

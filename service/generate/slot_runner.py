@@ -34,7 +34,7 @@ class SlotRunner:
         the GPU only), else in host memory."""
         self._session, self._pad_id = runtime.session, runtime.meta.pad_id
         self._logits = runtime.meta.output_names[0]
-        device = "cuda" if cache_device(runtime, settings.io_binding) == "cuda" else None
+        device = slot_device(runtime, settings.io_binding)
         providers = runtime.session.get_providers()
         dtype = np.dtype(runtime.cache_dtype)
         self.cache = SlotCache(runtime.meta, dtype, slot_rows(runtime, settings, device), device, providers)
@@ -152,6 +152,12 @@ class SlotRunner:
 
     def _run(self, feeds: dict[str, np.ndarray], first: int, rows: int) -> np.ndarray:
         return run_in_place(self._session, self._logits, self.cache, feeds, first, rows)
+
+
+def slot_device(runtime: DecoderRuntime, io_binding: bool | None) -> str | None:
+    """Where the slot buffers live: "cuda" when the session's device is bound, else host memory (None; the CPU's
+    binding is the host's memory already)."""
+    return "cuda" if cache_device(runtime, io_binding) == "cuda" else None
 
 
 def slot_rows(runtime: DecoderRuntime, settings: GenerationSettings, device: str | None) -> int:
