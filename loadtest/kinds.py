@@ -85,6 +85,7 @@ def settle_kind(
         protocols=plan.protocols or (DEFAULT_GENERATION_PROTOCOL,),
         metrics_names=names,
         metrics_also=server_metrics.GENERATION_ALSO,
+        metrics_last=server_metrics.GENERATION_LAST,
     ), models
 
 

@@ -20,6 +20,9 @@ DEFAULT_METRICS = ("ray_mha_request_latency_seconds", "ray_serve_deployment_proc
 # inter-token latency is read from the same scrapes.
 GENERATION_METRICS = ("ray_mha_time_to_first_token_seconds",)
 GENERATION_ALSO = ("ray_mha_inter_token_latency_seconds",)
+# Observed at each request's last event, after its inter-token latencies: its count is waited for before those are
+# read, since a stream's first token (the settled count) is exported before its last ones.
+GENERATION_LAST = "ray_mha_e2e_request_latency_seconds"
 IDLE_GRACE_FRACTION = 0.6  # of --metrics-wait: how long a preferred histogram without new data is waited for
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')

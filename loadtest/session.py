@@ -53,6 +53,7 @@ class Plan:
     output_tokens: TokenSpec = DEFAULT_OUTPUT
     slo: Slo = NO_SLO
     metrics_also: tuple[str, ...] = ()
+    metrics_last: str = ""  # observed at each request's end: waited for before `metrics_also` is read
 
 
 @dataclass
@@ -95,17 +96,21 @@ class _ServerSide:
             self.shadow.start(model.route)
         if self.enabled:
             try:
-                hists = server_metrics.scrape(self.client, self.plan.metrics_url, self.names, self.match, self.alias)
+                names = self.names + ((self.plan.metrics_last,) if self.plan.metrics_last else ())
+                hists = server_metrics.scrape(self.client, self.plan.metrics_url, names, self.match, self.alias)
             except server_metrics.MetricsError as exc:
                 return self._off(str(exc))
             self.base = {name: hist.count(model.name) for name, hist in hists.items()}
 
-    def _also(self, model: str) -> dict[str, server_metrics.Histogram]:
-        """The histograms read beside the settled one (a decoder's ITL), from one more scrape; {} when unreadable
-        (a note says so)."""
+    def _also(self, model: str, ok_since_start: int) -> dict[str, server_metrics.Histogram]:
+        """The histograms read beside the settled one (a decoder's ITL), from one more scrape once the one observed
+        at each request's end has counted them all; {} when unreadable (a note says so)."""
         if not self.plan.metrics_also or not self.enabled:
             return {}
         try:
+            if last := self.plan.metrics_last:
+                args = (self.client, self.plan.metrics_url, (last,), self.match, model)
+                server_metrics.wait_for_counts(*args, self.base, ok_since_start, self.plan.metrics_wait_s, self.alias)
             return server_metrics.scrape(self.client, self.plan.metrics_url, self.plan.metrics_also, self.match)
         except server_metrics.MetricsError as exc:
             self.outcome.notes.append(f"{model}: {', '.join(self.plan.metrics_also)} not read: {exc}")
@@ -126,7 +131,7 @@ class _ServerSide:
                 names = " or ".join(repr(n) for n in self.names)
                 return self._off(f"no histogram {names} counted {ok_since_start} requests to {model} at {url}")
             self.names = (name,)  # from now on, this one
-        return hists | self._also(model)
+        return hists | self._also(model, ok_since_start)
 
     def percentiles(self, before: dict, after: dict, model: str) -> dict[str, object]:
         name = self.names[0]
