@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import filecmp
+import json
 import os
 import time
 
@@ -101,6 +102,33 @@ def test_the_streamed_text_is_the_http_generate_text_and_the_last_message_has_th
     assert sum(len(m.token_ids) for m in messages) == 24
 
 
+def test_logprobs_are_the_same_over_grpc_oip_generate_its_stream_and_openai_the_greedy_token_first(stub, http):
+    """parameters.logprobs 3: every generated token's log-probability and 3 alternatives, the greedy token the
+    likeliest, with the same values in gRPC messages, the OIP generate answer, its stream's events and OpenAI's
+    completion of the same prompt."""
+    messages = _stream(stub, _request(**_greedy(logprobs=3)))
+    over_grpc = [
+        (t.id, t.text, round(t.logprob, 6), [a.id for a in t.top_logprobs]) for m in messages for t in m.logprobs
+    ]
+    assert len(over_grpc) == 24 and [t[0] for t in over_grpc] == [i for m in messages for i in m.token_ids]
+    assert all(top[0] == token and len(top) == 3 for token, _, _, top in over_grpc)
+    body = {"text_input": PROMPT, "parameters": _greedy(logprobs=3)}
+    whole = http.post(f"/v2/models/{LM}/generate", json=body).json()["logprobs"]
+    with http.stream("POST", f"/v2/models/{LM}/generate_stream", json=body) as streamed:
+        events = [json.loads(line[5:]) for line in streamed.iter_lines() if line.startswith("data:")]
+    for answer in (whole, [t for e in events for t in e["logprobs"]]):
+        assert [(t["id"], t["text"], round(t["logprob"], 6), [a["id"] for a in t["top_logprobs"]]) for t in answer] == (
+            over_grpc
+        )
+        assert all(t["top_logprobs"][0]["logprob"] == t["logprob"] and not t["special"] for t in answer)
+    openai = http.post(
+        "/openai/v1/completions", json={"model": LM, "prompt": PROMPT, **_greedy(), "logprobs": 3}
+    ).json()["choices"][0]["logprobs"]
+    assert [round(v, 6) for v in openai["token_logprobs"]] == [t[2] for t in over_grpc]
+    assert openai["tokens"] == [t[1] for t in over_grpc]
+    assert not _stream(stub, _request(**_greedy()))[0].logprobs, "none unless asked"
+
+
 def test_a_stop_string_ends_the_streamed_text_before_it_with_finish_reason_stop_sequence(stub):
     text = _text(_stream(stub, _request(**_greedy())))
     stop = text[6:8]
@@ -130,6 +158,7 @@ def test_refusals_are_grpc_statuses_with_the_http_errors_message(stub, http):
         "unknown model": ("nope", {}, grpc.StatusCode.NOT_FOUND, "unknown model 'nope'"),
         "a classifier": (CLASSIFIER, {}, grpc.StatusCode.INVALID_ARGUMENT, "is a classifier"),
         "a bad temperature": (LM, {"temperature": -1}, grpc.StatusCode.INVALID_ARGUMENT, "temperature=-1"),
+        "logprobs over 20": (LM, {"logprobs": 21}, grpc.StatusCode.INVALID_ARGUMENT, "logprobs=21"),
         "over the context": (
             LM,
             {"max_tokens": 60},

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x63ontract/rpc/generation.proto\x12\x0emha.generation\"\xe0\x01\n\x12GenerateParameters\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x04\x88\x01\x01\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\x9c\x01\n\x14ModelGenerateRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\ntext_input\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x03\x12\x36\n\nparameters\x18\x04 \x01(\x0b\x32\".mha.generation.GenerateParameters\x12\n\n\x02id\x18\x05 \x01(\t\"Y\n\x0fGenerateDetails\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x05\x12\x18\n\x10generated_tokens\x18\x03 \x01(\x05\"\xa8\x01\n\x15ModelGenerateResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12\n\n\x02id\x18\x03 \x01(\t\x12\x13\n\x0btext_output\x18\x04 \x01(\t\x12\x11\n\ttoken_ids\x18\x05 \x03(\x03\x12\x30\n\x07\x64\x65tails\x18\x06 \x01(\x0b\x32\x1f.mha.generation.GenerateDetails2u\n\x11GenerationService\x12`\n\rModelGenerate\x12$.mha.generation.ModelGenerateRequest\x1a%.mha.generation.ModelGenerateResponse\"\x00\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x63ontract/rpc/generation.proto\x12\x0emha.generation\"\x84\x02\n\x12GenerateParameters\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x04\x88\x01\x01\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x15\n\x08logprobs\x18\x08 \x01(\x05H\x05\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0b\n\t_logprobs\"\x9c\x01\n\x14ModelGenerateRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\ntext_input\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x03\x12\x36\n\nparameters\x18\x04 \x01(\x0b\x32\".mha.generation.GenerateParameters\x12\n\n\x02id\x18\x05 \x01(\t\"Y\n\x0fGenerateDetails\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x05\x12\x18\n\x10generated_tokens\x18\x03 \x01(\x05\"~\n\x0cTokenLogprob\x12\n\n\x02id\x18\x01 \x01(\x03\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\x12\x0f\n\x07special\x18\x04 \x01(\x08\x12\x32\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x1c.mha.generation.TokenLogprob\"\xd8\x01\n\x15ModelGenerateResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12\n\n\x02id\x18\x03 \x01(\t\x12\x13\n\x0btext_output\x18\x04 \x01(\t\x12\x11\n\ttoken_ids\x18\x05 \x03(\x03\x12\x30\n\x07\x64\x65tails\x18\x06 \x01(\x0b\x32\x1f.mha.generation.GenerateDetails\x12.\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1c.mha.generation.TokenLogprob2u\n\x11GenerationService\x12`\n\rModelGenerate\x12$.mha.generation.ModelGenerateRequest\x1a%.mha.generation.ModelGenerateResponse\"\x00\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,13 +32,15 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'contract.rpc.generation_pb2
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEPARAMETERS']._serialized_start=50
-  _globals['_GENERATEPARAMETERS']._serialized_end=274
-  _globals['_MODELGENERATEREQUEST']._serialized_start=277
-  _globals['_MODELGENERATEREQUEST']._serialized_end=433
-  _globals['_GENERATEDETAILS']._serialized_start=435
-  _globals['_GENERATEDETAILS']._serialized_end=524
-  _globals['_MODELGENERATERESPONSE']._serialized_start=527
-  _globals['_MODELGENERATERESPONSE']._serialized_end=695
-  _globals['_GENERATIONSERVICE']._serialized_start=697
-  _globals['_GENERATIONSERVICE']._serialized_end=814
+  _globals['_GENERATEPARAMETERS']._serialized_end=310
+  _globals['_MODELGENERATEREQUEST']._serialized_start=313
+  _globals['_MODELGENERATEREQUEST']._serialized_end=469
+  _globals['_GENERATEDETAILS']._serialized_start=471
+  _globals['_GENERATEDETAILS']._serialized_end=560
+  _globals['_TOKENLOGPROB']._serialized_start=562
+  _globals['_TOKENLOGPROB']._serialized_end=688
+  _globals['_MODELGENERATERESPONSE']._serialized_start=691
+  _globals['_MODELGENERATERESPONSE']._serialized_end=907
+  _globals['_GENERATIONSERVICE']._serialized_start=909
+  _globals['_GENERATIONSERVICE']._serialized_end=1026
 # @@protoc_insertion_point(module_scope)

@@ -218,8 +218,9 @@ async def generate(plane: DataPlane, request: Request, name: str) -> Response:
     arrived = arrival(request)
     body = await json_body(request, plane, oip.GenerateBody)
     first, events = await opened(plane, GENERATE, name, lambda _: oip.to_request(body), arrived)
-    texts, lasts = await _all(first, events)
-    return json_response(oip.answer(name, body, texts[0], lasts[0]))
+    logprobs: list = []
+    texts, lasts = await _all(first, events, lambda _, event: logprobs.extend(event.logprobs))
+    return json_response(oip.answer(name, body, texts[0], lasts[0], logprobs))
 
 
 async def generate_stream(plane: DataPlane, request: Request, name: str) -> Response:

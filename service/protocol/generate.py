@@ -1,6 +1,7 @@
 """The Open Inference Protocol's generate extension (KServe's generate_rest.yaml, Triton's): `text_input` and
 `parameters` decoded into a GenerateRequest; `text_output` and `details.finish_reason` encoded from the token events,
-whole (generate) or per event (generate_stream). No torch.
+whole (generate) or per event (generate_stream). The protocol's schema has no log-probabilities: `parameters.logprobs`
+adds a `logprobs` list to each answer, in the shape of TGI's and KServe's token details. No torch.
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from contract.decoder_metadata import DecoderMetadata
+from contract.tokenizer import NUM_SPECIAL, ByteTokenizer
 from service.generate import ABORT, CANCELLED, EOS, LENGTH, STOP, GenerateRequest, SamplingParams, TokenEvent
+from service.generate.sampling import TokenLogprobs
 from service.inference import MODEL_VERSION
 
 FINISH = {STOP: "stop_sequence", EOS: "eos_token", LENGTH: "length", ABORT: "abort", CANCELLED: "abort"}
@@ -25,6 +28,11 @@ class GenerateParameters(BaseModel):
     seed: int | None = Field(None, description="the same seed gives the same text, alone or batched")
     stop: str | list[str] | None = Field(None, description="the text ends before the first of these")
     ignore_eos: bool = False
+    logprobs: int | None = Field(
+        None,
+        description="each generated token's log-probability and its N likeliest alternatives (0 to 20) in the "
+        "answer's `logprobs`; null: none",
+    )
 
 
 class GenerateBody(BaseModel):
@@ -38,15 +46,20 @@ class GenerateBody(BaseModel):
 
 def to_request(body: GenerateBody) -> GenerateRequest:
     p = body.parameters
-    params = SamplingParams(p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed, p.stop, p.ignore_eos)
+    params = SamplingParams(p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed, p.stop, p.ignore_eos, p.logprobs)
     return GenerateRequest(body.text_input, params)
 
 
-def answer(name: str, body: GenerateBody, text: str, event: TokenEvent) -> dict[str, Any]:
-    """The whole answer (text: everything so far), or one stream event (text: its delta); details on the last."""
+def answer(
+    name: str, body: GenerateBody, text: str, event: TokenEvent, logprobs: list[TokenLogprobs] | None = None
+) -> dict[str, Any]:
+    """The whole answer (text and `logprobs`: everything so far), or one stream event (text: its delta, logprobs:
+    its tokens' when None); details on the last."""
     out: dict[str, Any] = {"model_name": name, "model_version": MODEL_VERSION, "text_output": text}
     if body.id is not None:
         out["id"] = body.id
+    if body.parameters.logprobs is not None:
+        out["logprobs"] = [token_logprob(t) for t in (event.logprobs if logprobs is None else logprobs)]
     if event.finish_reason is not None:
         usage = event.usage
         out["details"] = {
@@ -55,6 +68,28 @@ def answer(name: str, body: GenerateBody, text: str, event: TokenEvent) -> dict[
             "generated_tokens": usage.completion_tokens if usage else 0,
         }
     return out
+
+
+def token_logprob(token: TokenLogprobs) -> dict[str, Any]:
+    """One token's: its id, text (as the tokenizer decodes it alone), log-probability, whether it is special, and its
+    alternatives, most likely first."""
+
+    def one(token_id: int, logprob: float) -> dict[str, Any]:
+        return {"id": token_id, "text": ByteTokenizer.token_text(token_id), "logprob": logprob}
+
+    top = [one(*alternative) for alternative in token.top]
+    return one(token.token, token.logprob) | {"special": token.token < NUM_SPECIAL, "top_logprobs": top}
+
+
+class Alternative(BaseModel):
+    id: int
+    text: str
+    logprob: float
+
+
+class TokenLogprob(Alternative):
+    special: bool
+    top_logprobs: list[Alternative]
 
 
 class GenerateDetails(BaseModel):
@@ -71,6 +106,9 @@ class GenerateResponse(BaseModel):
     model_version: str
     text_output: str
     id: str | None = None
+    logprobs: list[TokenLogprob] | None = Field(
+        None, description="with parameters.logprobs: the tokens' (a stream: each event's)"
+    )
     details: GenerateDetails | None = None
 
 

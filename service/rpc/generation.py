@@ -13,7 +13,7 @@ from service.generate import GenerateRequest, TokenEvent
 from service.protocol import generate as oip
 from service.protocol.parsing import validated
 
-OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "seed")  # unset: GenerateParameters' defaults
+OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs")  # unset: GenerateParameters' defaults
 
 
 def to_body(message: pb.ModelGenerateRequest) -> oip.GenerateBody:
