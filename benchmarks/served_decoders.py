@@ -9,7 +9,9 @@ decoder's (medians of the rounds' own ratios). Two sets are ready-made (issue 59
     python -m benchmarks.served_decoders int8       # the trained lm-h8-kv8-d512 and its int8 variant
 
 Missing decoders are trained (`mha-serving train`, TRAINING's budget) or quantized (`mha-serving quantize`) first.
-`--names a,b --models DIR` serves any decoders already exported there.
+`--names a,b --models DIR` serves any decoders already exported there. `--lm-eval` then scores each through the same
+service with lm-evaluation-harness (benchmarks/served_quality.py: the docs-lm perplexity and multiple-choice tasks),
+so quality and cost sit on one table from one running service.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks import served_quality
 from benchmarks.generate import client
 from benchmarks.generate.cli import prompts
 from benchmarks.generate.report import markdown, run
@@ -42,6 +45,7 @@ SETS = {
     "int8": ["lm-h8-kv8-d512", "lm-h8-kv8-d512-int8"],
 }
 WARMUP_TOKENS = 4
+QUALITY_TASKS = "docs_lm_perplexity,docs_lm_choice"  # --lm-eval's: the continuation's exact match says little here
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -56,6 +60,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3, help="(default %(default)s)")
     p.add_argument("--kv-cache-mb", type=float, default=GenerationSettings.kv_cache_mb, help="the service's KV budget")
     p.add_argument("--threads", type=int, default=2, help="the service's ORT intra-op threads (default %(default)s)")
+    p.add_argument("--lm-eval", action="store_true", help="then score each decoder through the service (lm-eval)")
     p.add_argument("--json", type=Path, help="also write every figure here")
     args = p.parse_args(argv)
     if (args.set is None) == (args.names is None):
@@ -105,6 +110,7 @@ def describe(args: argparse.Namespace, name: str) -> dict:
         "sequences_in_budget": held,
         "quality": quality(args.models / name, meta),
         "vocab_size": meta.vocab_size,
+        "context": meta.max_len,
     }
 
 
@@ -128,6 +134,11 @@ def measure(args: argparse.Namespace) -> dict:
         print(f"warm-up, then {args.rounds} rounds of {', '.join(args.names)}...", flush=True)
         rounds(sides(server, args.names, batch, WARMUP_TOKENS, args.requests), 1, 0.0)
         got = rounds(sides(server, args.names, batch, args.output_tokens, args.requests), args.rounds, 0.0)
+        for name in args.names if args.lm_eval else ():
+            print(f"lm-eval through the service: {name}...", flush=True)
+            url, folder = f"http://127.0.0.1:{server.port}", args.models.resolve() / name
+            results = served_quality.evaluate(url, name, folder, about[name]["context"], QUALITY_TASKS)
+            got[name]["lm_eval"] = served_quality.scores(results)
     first = args.names[0]
     for name in args.names:
         ratios = paired(got[name], got[first], "tokens_s", "tokens_s", lambda a, b: a / b if b > 0 else math.nan)
@@ -144,11 +155,18 @@ def table(result: dict) -> str:
     )
     headers = ["decoder", "kv heads", "KV bytes/token", "sequences in budget", "quality", "output tokens/s"]
     headers += ["TTFT p50 ms", "TPOT p50 ms", "ITL p50 ms", f"tokens/s / {s['names'][0]}", "errors"]
+    scored = s.get("lm_eval", False)
+    headers += ["bits/byte (lm-eval)", "choice acc (lm-eval)"] if scored else []
     rows = []
     for name, d in result["decoders"].items():
         about = [str(d["kv_heads"]), f"{d['kv_bytes_per_token']:,}", str(d["sequences_in_budget"]), d["quality"]]
         served = [f"{d['tokens_s']:.0f}", f"{d['ttft_p50_ms']:.1f}", f"{d['tpot_p50_ms']:.2f}"]
-        rows.append([name, *about, *served, f"{d['itl_p50_ms']:.2f}", f"{d['over_first']:.2f}", str(d["errors"])])
+        row = [name, *about, *served, f"{d['itl_p50_ms']:.2f}", f"{d['over_first']:.2f}", str(d["errors"])]
+        if scored:
+            got = d.get("lm_eval", {})
+            bpb, acc = got.get("docs_lm_perplexity.bits_per_byte"), got.get("docs_lm_choice.acc")
+            row += [f"{bpb:.3f}" if bpb is not None else "-", f"{acc:.3f}" if acc is not None else "-"]
+        rows.append(row)
     return markdown(heading, headers, rows)
 
 

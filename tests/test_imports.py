@@ -1,4 +1,4 @@
-"""`contract`, `service`, `loadtest` and `optimize` import on a machine without torch."""
+"""`contract`, `service`, `loadtest`, `optimize` and `evaluation` import on a machine without torch."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def _probe(*targets: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("package", ["contract", "service", "loadtest", "optimize"])
+@pytest.mark.parametrize("package", ["contract", "service", "loadtest", "optimize", "evaluation"])
 def test_every_module_of_the_package_imports_without_torch(package):
     result = _probe(package)
     assert len(result["modules"]) > 1, f"pkgutil found no modules in {package}"

@@ -56,3 +56,20 @@ def test_a_set_and_names_together_or_neither_is_one_usage_error(capsys):
             served_decoders.parse_args(argv)
         assert stopped.value.code == 2
         assert "name a set (kv-heads or int8) or give --names" in capsys.readouterr().err
+
+
+def test_with_lm_eval_the_table_puts_each_decoders_scores_beside_its_serving_figures():
+    settings = {"concurrency": 2, "prompt_tokens": 8, "output_tokens": 4, "kv_cache_mb": 1, "rounds": 1}
+    served = {"tokens_s": 10, "ttft_p50_ms": 1, "tpot_p50_ms": 1, "itl_p50_ms": 1, "over_first": 1, "errors": 0}
+    about = {"kv_heads": 1, "kv_bytes_per_token": 64, "sequences_in_budget": 3, "quality": "val loss 1.000"}
+    scored = {"docs_lm_perplexity.bits_per_byte": 2.4101, "docs_lm_choice.acc": 0.2727}
+    decoders = {"a": about | served | {"lm_eval": scored}, "b": about | served}
+    lines = served_decoders.table({"settings": settings | {"names": ["a", "b"], "lm_eval": True}, "decoders": decoders})
+    rows = {
+        line.split(" | ")[0].strip("| "): line
+        for line in lines.splitlines()
+        if line.startswith("| a") or line.startswith("| b")
+    }
+    assert (
+        "bits/byte (lm-eval)" in lines and rows["a"].endswith("| 2.410 | 0.273 |") and rows["b"].endswith("| - | - |")
+    )
