@@ -17,10 +17,11 @@ from dataclasses import dataclass
 from contract.metadata import LOGITS, ModelMetadata
 from service import attention_api, heap
 from service.config import AppConfig
+from service.decoder_placement import ColocatedDecoder, Decoder, not_a_classifier, not_a_decoder
+from service.drain import until_idle
 from service.errors import BadRequestError, ModelNotFoundError, OverCapacityError, ServiceError
 from service.generate.choices import Choices
 from service.generate.request import GenerateRequest, TokenEvent
-from service.generating import ColocatedDecoder, not_a_classifier, not_a_decoder
 from service.generation_metrics import GenerationMetrics, generation_labels
 from service.inference import AttentionMap, InferenceRequest, InferenceResult, Listing, ModelStatus
 from service.limits import check_generation_in_flight, check_in_flight
@@ -33,7 +34,6 @@ from service.shadow import Agreement, Mirror, ShadowTraffic
 from service.validation import rows_of
 
 logger = logging.getLogger(__name__)
-DRAIN_POLL_S = 0.05
 GENERATION_CLOSE_S = 0.5  # of a stop's period, kept for the aborted streams' last events to go out
 CLIENT_CLOSED = 499  # nginx's code for a request whose client closed the connection first (metrics only)
 
@@ -106,10 +106,9 @@ class DataPlane:
         and end the rest with finish_reason "abort", so that each stream's last event still goes out."""
         self.drain()
         grace_s = until - time.time() - GENERATION_CLOSE_S
-        decoders = [p for p in self.models.placements() if getattr(p, "generates", False)]
+        decoders = [p for p in self.models.placements() if isinstance(p, Decoder)]
         engines = asyncio.gather(*(p.drain(grace_s) for p in decoders))
-        while self.load.inference > 0 and time.time() < until:
-            await asyncio.sleep(DRAIN_POLL_S)
+        await until_idle(lambda: self.load.inference > 0, until - time.time())
         await engines
         return self.load.inference
 
@@ -181,7 +180,7 @@ class DataPlane:
         called = time.perf_counter()
         async with self.admit(endpoint, name) as call:
             placement = self.models.placement(call.target)
-            if not getattr(placement, "generates", False):
+            if not isinstance(placement, Decoder):
                 raise not_a_decoder(call.target)
             built = request(call.target) if callable(request) else request
             requests = [built] if isinstance(built, GenerateRequest) else built
@@ -224,7 +223,7 @@ class DataPlane:
 
     def _classifier(self, call: Call) -> ModelPlacement:
         placement = self.models.placement(call.target)
-        if getattr(placement, "generates", False):
+        if isinstance(placement, Decoder):
             raise not_a_classifier(call.target)
         return placement
 

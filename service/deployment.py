@@ -19,9 +19,9 @@ from ray.serve.deployment import Application
 from service.attention_api import AttentionResult
 from service.batching import BatchResult
 from service.config import DeploymentSettings
+from service.decoder_placement import ColocatedDecoder
 from service.engine import EngineSettings, ModelEngine, ModelStatus
 from service.generate import GenerateRequest, GenerationSettings, TokenEvent
-from service.generating import ColocatedDecoder
 from service.generation_metrics import EngineGauges, generation_labels
 from service.metrics import GAUGE_REFRESH_S, model_labels
 

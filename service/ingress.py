@@ -16,13 +16,13 @@ from ray.serve.handle import DeploymentHandle
 from service.coalescer import Coalescer
 from service.config import AppConfig
 from service.dataplane import DataPlane
+from service.decoder_placement import ColocatedDecoder
 from service.engine import EngineSettings, ModelEngine
-from service.generating import ColocatedDecoder
 from service.http.api import InferenceFirst, create_app
 from service.http.server import HttpServer
 from service.model_store import is_decoder
 from service.placement import Colocated, ModelPlacement, Remote
-from service.remote_generating import RemoteDecoder
+from service.remote_decoder import RemoteDecoder
 from service.repository import Repository
 from service.rpc.serve_proxy import add_entry_points
 from service.rpc.server import GrpcServer

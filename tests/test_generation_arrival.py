@@ -17,12 +17,12 @@ from contract.decoder_metadata import DecoderMetadata
 from contract.tokenizer import ByteTokenizer
 from service.config import AppConfig
 from service.dataplane import DataPlane, Endpoint
+from service.decoder_placement import ColocatedDecoder
 from service.deployment import DecoderServer
 from service.errors import BadRequestError, OverCapacityError, SamplingParamsError
 from service.generate import GenerateRequest, GenerationSettings, SamplingParams
-from service.generating import ColocatedDecoder
 from service.inference import ModelStatus
-from service.remote_generating import RemoteDecoder
+from service.remote_decoder import RemoteDecoder
 
 LM = "lm-h4-kv2-d32"  # context 64
 AGE_S = 0.5  # how long before the call the request's head arrived

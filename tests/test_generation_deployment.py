@@ -1,5 +1,5 @@
 """A decoder in a Serve deployment of its own (`placement: deployment`), its token events streamed back through the
-handle (service/deployment.py DecoderServer, service/remote_generating.py): the same greedy text as the engine run
+handle (service/deployment.py DecoderServer, service/remote_decoder.py): the same greedy text as the engine run
 in-process, a stream whose text equals the whole answer, the ingress's 400s before any Ray call, the replica's own
 refusals with their own status and message, a client gone freeing its sequence in the replica, and SIGTERM ending a
 running stream with a finish_reason."""
@@ -17,8 +17,8 @@ import pytest
 from conftest import export_tiny_decoder
 
 from benchmarks.harness.server import ServerProcess
+from service.decoder_placement import ColocatedDecoder
 from service.generate import GenerateRequest, GenerationSettings, SamplingParams
-from service.generating import ColocatedDecoder
 
 LM = "lm-h4-kv2-d32"  # context 64
 LONG = "lm-h4-kv4-d32"  # context 2048: its streams last seconds

@@ -25,8 +25,8 @@ from contract.rpc import generation_pb2 as pb
 from contract.rpc import generation_pb2_grpc as pb_grpc
 from service.config import AppConfig
 from service.dataplane import DataPlane
+from service.decoder_placement import ColocatedDecoder
 from service.generate import GenerationSettings, SchedulerState
-from service.generating import ColocatedDecoder
 from service.local.ports import free_port
 from service.rpc.rpcs import GENERATION, INFERENCE
 from service.rpc.server import GrpcServer

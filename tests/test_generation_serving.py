@@ -22,8 +22,8 @@ from prometheus import series_total
 from benchmarks.harness.server import ServerProcess
 from contract.tokenizer import ByteTokenizer
 from service.config import AppConfig
+from service.decoder_placement import ColocatedDecoder
 from service.generate import GenerationSettings
-from service.generating import ColocatedDecoder
 
 LM = "lm-h4-kv1-d32"  # the tiny decoder: context 64
 LONG = "lm-h4-kv4-d32"  # a decoder with a long context (2048): its streams last seconds, for the disconnect test

@@ -21,8 +21,8 @@ from benchmarks.harness.server import ServerProcess
 from contract.rpc import generation_pb2 as pb
 from service.config import AppConfig, RequestLimits
 from service.dataplane import DataPlane
+from service.decoder_placement import ColocatedDecoder
 from service.generate import GenerationSettings, TokenEvent
-from service.generating import ColocatedDecoder
 from service.http import uvicorn_adapter
 from service.http.api import create_app
 from service.http.coalesced_writes import CoalescedWrites

@@ -20,7 +20,7 @@ class Stream(Protocol):
 
 
 class Placement(Protocol):
-    """Where a decoder runs (service/generating.py, service/remote_generating.py): it takes a request's sequence."""
+    """Where a decoder runs (service/decoder_placement.py, service/remote_decoder.py): it takes a request's sequence."""
 
     def submit(self, request: GenerateRequest) -> Stream: ...
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from service import heap
+from service.drain import until_idle
 from service.errors import GenerationFailedError, QueueTimeoutError
 from service.generate.output import CANCELLED, LENGTH, TextOutput
 from service.generate.request import GenerateRequest, TokenEvent
@@ -26,7 +27,6 @@ from service.generate.stream import TokenStream
 from service.thread_names import ENGINE, RUNS, name_thread, threads_named
 
 Outbox = list[tuple[Sequence, TokenEvent | BaseException]]  # one step's events (or errors), by sequence
-DRAIN_POLL_S = 0.02  # how often a drain looks whether the engine is idle yet
 CLOSE_WAIT_S = 10.0  # how long `close` waits for the step in flight and the last events
 
 
@@ -83,14 +83,9 @@ class GenerationEngine:
         """Take no new requests; let the queued and running ones finish for up to `grace_s`, then end the rest with
         finish_reason "abort" (a last event each, never a silent cut)."""
         self._scheduler.drain()
-        deadline = time.monotonic() + grace_s
-        while self._busy() and time.monotonic() < deadline:
-            await asyncio.sleep(DRAIN_POLL_S)
-        if self._busy():
+        if not await until_idle(self._busy, grace_s):
             self._scheduler.abort_all()
-            deadline = time.monotonic() + CLOSE_WAIT_S  # the step in flight ends, then the next one ends them
-            while self._busy() and time.monotonic() < deadline:
-                await asyncio.sleep(DRAIN_POLL_S)
+            await until_idle(self._busy, CLOSE_WAIT_S)  # the step in flight ends, then the next one ends them
 
     def close(self) -> None:
         """Abort what is left and stop the engine's thread (after `drain` for a graceful stop)."""

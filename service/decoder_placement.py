@@ -25,8 +25,9 @@ def not_a_decoder(name: str) -> BadRequestError:
     )
 
 
-class NotAClassifier:
-    """A decoder placement's answers to what only classifiers do: a 400 naming the generation routes."""
+class Decoder:
+    """A decoder's placement, wherever its engine runs (`isinstance(placement, Decoder)`: it generates); what only
+    classifiers do is a 400 naming the generation routes."""
 
     name: str
 
@@ -43,11 +44,10 @@ class NotAClassifier:
         raise not_a_classifier(self.name)
 
 
-class ColocatedDecoder(NotAClassifier):
+class ColocatedDecoder(Decoder):
     """The decoder's engine lives in the ingress replica; `generate` submits to it."""
 
     placement = "colocated"
-    generates = True
 
     def __init__(self, name: str, engine: GenerationEngine | None, error: str = "") -> None:
         """`engine` None: the decoder could not be loaded (`error` says why); it is served as not ready."""

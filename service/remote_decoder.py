@@ -1,25 +1,23 @@
 """A decoder in its own Serve deployment (service/deployment.py DecoderServer), as the ingress sees it: the same
-`status`, `submit` and `drain` as a co-located one (service/generating.py), its token events streamed through the
+`status`, `submit` and `drain` as a co-located one (service/decoder_placement.py), its token events streamed through the
 deployment's handle. No torch.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
 
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from contract.decoder_metadata import DecoderMetadata
+from service.decoder_placement import Decoder
+from service.drain import until_idle
 from service.errors import NotReadyError
 from service.generate import ABORT, GenerateRequest, Timing, TokenEvent, Usage
-from service.generating import NotAClassifier
 from service.inference import ModelStatus
 from service.placement import replica_status
 from service.remote_calls import CallCancelled, answer_of
-
-DRAIN_POLL_S = 0.02
 
 
 class RemoteStream:
@@ -85,12 +83,11 @@ class RemoteStream:
         return TokenEvent((), "", now, step, ABORT, Usage(self.prompt_tokens, self._tokens), timing)
 
 
-class RemoteDecoder(NotAClassifier):
+class RemoteDecoder(Decoder):
     """The decoder's deployment; the prompt is encoded and checked here (the same 400s as co-located, before any
     Ray call) and sent as token ids."""
 
     placement = "deployment"
-    generates = True
 
     def __init__(self, name: str, handle: DeploymentHandle) -> None:
         self.name = name
@@ -124,9 +121,7 @@ class RemoteDecoder(NotAClassifier):
 
     async def drain(self, grace_s: float) -> None:
         """Let the streams in progress finish for up to `grace_s`, then end the rest with finish_reason "abort"."""
-        deadline = time.monotonic() + max(0.0, grace_s)
-        while self.busy() and time.monotonic() < deadline:
-            await asyncio.sleep(DRAIN_POLL_S)
+        await until_idle(self.busy, grace_s)
         for stream in self._streams:
             stream.abort()
 
