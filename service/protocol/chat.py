@@ -15,7 +15,7 @@ from service.generate import GenerateRequest
 from service.generate.sampling import MAX_LOGPROBS
 from service.protocol import openai
 from service.protocol.logprobs import chat_logprobs
-from service.protocol.openai import MAX_N, StreamOptions
+from service.protocol.sampling_fields import OpenAIFields
 
 
 class TextPart(BaseModel):
@@ -36,47 +36,24 @@ class Message(BaseModel):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
-class ChatCompletionRequest(BaseModel):
+class ChatCompletionRequest(OpenAIFields):
     """POST /openai/v1/chat/completions: OpenAI's fields, and vLLM's `top_k` and `ignore_eos`."""
 
-    model_config = ConfigDict(extra="forbid")
     model: str = Field(description="a decoder's name (GET /openai/v1/models) with a chat template")
     messages: list[Message] = Field(min_length=1, description="the conversation, rendered by the model's template")
     max_completion_tokens: int | None = Field(None, description="tokens to generate at most (max_tokens's new name)")
     max_tokens: int | None = Field(
         None, description="tokens to generate at most; when neither is given, what the context leaves after the prompt"
     )
-    temperature: float | None = Field(1.0, description="0: greedy")
-    top_p: float | None = Field(1.0, description="nucleus sampling: (0, 1]")
-    top_k: int | None = Field(None, description="the k most likely tokens only (vLLM's); 0 or null: all")
-    seed: int | None = Field(None, description="the same seed gives the same text, alone or batched with others")
-    stop: str | list[str] | None = Field(None, description="up to 16 strings; the text ends before the first found")
-    n: int | None = Field(1, description=f"choices, 1 to {MAX_N}; seeded as a completion's")
-    stream: bool = Field(False, description="server-sent events: a chunk per text delta, then `data: [DONE]`")
-    stream_options: StreamOptions | None = None
-    ignore_eos: bool = Field(False, description="go on past EOS up to max_tokens (vLLM's, for benchmarks)")
-    user: str | None = Field(None, description="accepted and not used")
     logprobs: bool | None = Field(False, description="each token's logprob (the model's, before temperature)")
     top_logprobs: int | None = Field(
         None, description=f"with logprobs: the 0 to {MAX_LOGPROBS} likeliest alternatives of each token"
     )
-    presence_penalty: float | None = Field(0.0, description="0 only: not built")
-    frequency_penalty: float | None = Field(0.0, description="0 only: not built")
-    logit_bias: dict[str, float] | None = Field(None, description="null or {} only: not built")
-
-
-def _unsupported(body: ChatCompletionRequest) -> list[str]:
-    given = [
-        ("presence_penalty", body.presence_penalty not in (None, 0)),
-        ("frequency_penalty", body.frequency_penalty not in (None, 0)),
-        ("logit_bias", bool(body.logit_bias)),
-    ]
-    return [f"{name}={getattr(body, name)!r}" for name, bad in given if bad]
 
 
 def as_completion(body: ChatCompletionRequest, prompt: str) -> openai.CompletionRequest:
     """The completion the chat asks for, of the rendered `prompt`: one request path from here on."""
-    unsupported = _unsupported(body)
+    unsupported = body.unsupported()
     if unsupported:
         raise BadRequestError(f"not supported: {', '.join(unsupported)} (no penalties or logit_bias)")
     if body.top_logprobs is not None and not body.logprobs:
@@ -90,7 +67,7 @@ def as_completion(body: ChatCompletionRequest, prompt: str) -> openai.Completion
     return openai.CompletionRequest(
         model=body.model,
         prompt=prompt,
-        max_tokens=16 if max_tokens is None else max_tokens,
+        max_tokens=max_tokens,
         logprobs=logprobs,
         **chosen,
     )

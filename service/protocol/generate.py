@@ -12,22 +12,18 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from contract.decoder_metadata import DecoderMetadata
 from contract.tokenizer import NUM_SPECIAL, ByteTokenizer
-from service.generate import ABORT, CANCELLED, EOS, LENGTH, STOP, GenerateRequest, SamplingParams, TokenEvent
+from service.generate import ABORT, CANCELLED, EOS, LENGTH, STOP, GenerateRequest, TokenEvent
 from service.generate.sampling import TokenLogprobs
 from service.inference import MODEL_VERSION
+from service.protocol.sampling_fields import DEFAULT, SamplingFields
 
 FINISH = {STOP: "stop_sequence", EOS: "eos_token", LENGTH: "length", ABORT: "abort", CANCELLED: "abort"}
 
 
-class GenerateParameters(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    max_tokens: int = Field(16, description="tokens to generate at most; prompt + max_tokens <= the context")
-    temperature: float = Field(1.0, description="0: greedy")
-    top_p: float = Field(1.0, description="nucleus sampling: (0, 1]")
-    top_k: int = Field(0, description="the k most likely tokens only; 0: all")
-    seed: int | None = Field(None, description="the same seed gives the same text, alone or batched")
-    stop: str | list[str] | None = Field(None, description="the text ends before the first of these")
-    ignore_eos: bool = False
+class GenerateParameters(SamplingFields):
+    max_tokens: int = Field(
+        DEFAULT.max_tokens, description="tokens to generate at most; prompt + max_tokens <= the context"
+    )
     logprobs: int | None = Field(
         None,
         description="each generated token's log-probability and its N likeliest alternatives (0 to 20) in the "
@@ -46,8 +42,7 @@ class GenerateBody(BaseModel):
 
 def to_request(body: GenerateBody) -> GenerateRequest:
     p = body.parameters
-    params = SamplingParams(p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed, p.stop, p.ignore_eos, p.logprobs)
-    return GenerateRequest(body.text_input, params)
+    return GenerateRequest(body.text_input, p.sampling(p.max_tokens, p.logprobs))
 
 
 def answer(

@@ -12,49 +12,31 @@ from dataclasses import replace
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, Field, StrictInt
 
 from contract.decoder_metadata import DecoderMetadata
 from service.errors import BadRequestError
-from service.generate import OPENAI_FINISH_REASONS, GenerateRequest, SamplingParams, TokenEvent
+from service.generate import OPENAI_FINISH_REASONS, GenerateRequest, TokenEvent
 from service.generate.sampling import MAX_LOGPROBS
 from service.inference import ModelStatus
 from service.protocol.logprobs import ChoiceLogprobs, completion_logprobs
+from service.protocol.sampling_fields import DEFAULT, MAX_N, OpenAIFields
 
 # Why a sequence ended, as OpenAI says it: "stop" for a stop string or EOS, "length" at max_tokens; vLLM's "abort".
 FINISH = OPENAI_FINISH_REASONS
-MAX_N = 16  # choices of one prompt
 MAX_CHOICES = 64  # choices of one request, every prompt's together: each is a sequence in the engine
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    include_usage: bool = Field(False, description="a last chunk with no choices and the usage")
-
-
-class CompletionRequest(BaseModel):
+class CompletionRequest(OpenAIFields):
     """POST /openai/v1/completions: OpenAI's fields, and vLLM's `top_k` and `ignore_eos`."""
 
-    model_config = ConfigDict(extra="forbid")
     model: str = Field(description="a decoder's name (GET /openai/v1/models)")
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]] = Field(
         description="text (the byte tokenizer, BOS first) or token ids as they are; a list of either is a batch: "
         "n choices each, numbered prompt x n + choice"
     )
-    max_tokens: int | None = Field(16, description="tokens to generate at most; prompt + max_tokens <= the context")
-    temperature: float | None = Field(1.0, description="0: greedy")
-    top_p: float | None = Field(1.0, description="nucleus sampling: (0, 1]")
-    top_k: int | None = Field(None, description="the k most likely tokens only (vLLM's); 0 or null: all")
-    seed: int | None = Field(None, description="the same seed gives the same text, alone or batched with others")
-    stop: str | list[str] | None = Field(None, description="up to 16 strings; the text ends before the first found")
-    stream: bool = Field(False, description="server-sent events: a chunk per text delta, then `data: [DONE]`")
-    stream_options: StreamOptions | None = None
-    ignore_eos: bool = Field(False, description="go on past EOS up to max_tokens (vLLM's, for benchmarks)")
-    user: str | None = Field(None, description="accepted and not used")
-    n: int | None = Field(
-        1,
-        description=f"choices per prompt, 1 to {MAX_N}; with a seed, choice j > 0 draws from "
-        "the seed's j-th child, so a request gives the same choices alone or batched",
+    max_tokens: int | None = Field(
+        DEFAULT.max_tokens, description="tokens to generate at most; prompt + max_tokens <= the context"
     )
     best_of: int | None = Field(None, description="null, 1 or n only")
     logprobs: int | None = Field(
@@ -68,20 +50,11 @@ class CompletionRequest(BaseModel):
         "gives the prompt's alone",
     )
     suffix: str | None = Field(None, description="null only: not built")
-    presence_penalty: float | None = Field(0.0, description="0 only: not built")
-    frequency_penalty: float | None = Field(0.0, description="0 only: not built")
-    logit_bias: dict[str, float] | None = Field(None, description="null or {} only: not built")
 
 
 def _unsupported(body: CompletionRequest) -> list[str]:
-    given = [
-        ("best_of", body.best_of not in (None, 1, body.n)),
-        ("suffix", bool(body.suffix)),
-        ("presence_penalty", body.presence_penalty not in (None, 0)),
-        ("frequency_penalty", body.frequency_penalty not in (None, 0)),
-        ("logit_bias", bool(body.logit_bias)),
-    ]
-    return [f"{name}={getattr(body, name)!r}" for name, bad in given if bad]
+    given = [("best_of", body.best_of not in (None, 1, body.n)), ("suffix", bool(body.suffix))]
+    return [f"{name}={getattr(body, name)!r}" for name, bad in given if bad] + body.unsupported()
 
 
 def prompts(body: CompletionRequest) -> list[str | tuple[int, ...]]:
@@ -113,17 +86,8 @@ def to_requests(body: CompletionRequest, until_context: bool = False) -> list[Ge
         raise BadRequestError(f"n={body.n!r} must be 1 to {MAX_N}")
     if len(batch) * n > MAX_CHOICES:
         raise BadRequestError(f"{len(batch)} prompts x n={n} is {len(batch) * n} choices, over {MAX_CHOICES} a request")
-    params = SamplingParams(
-        max_tokens=16 if body.max_tokens is None else body.max_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=body.top_k or 0,
-        seed=body.seed,
-        stop=body.stop,
-        ignore_eos=body.ignore_eos,
-        logprobs=body.logprobs,
-        prompt_logprobs=(body.logprobs or 0) if body.echo else None,  # the echoed text comes from the prompt's tokens
-    )
+    prompt_logprobs = (body.logprobs or 0) if body.echo else None  # the echoed text comes from the prompt's tokens
+    params = body.sampling(body.max_tokens, body.logprobs, prompt_logprobs)
     requests = []
     for i, prompt in enumerate(batch):
         label = f"prompt {i}" if len(batch) > 1 else ""
