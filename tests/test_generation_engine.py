@@ -44,7 +44,7 @@ from service.generate import (
 from service.generate.kv_cache import BatchCache, charged_width
 from service.generate.output import TextOutput
 from service.generate.runner import StepRunner
-from service.generate.scheduler import Schedule, SchedulerState
+from service.generate.scheduler import Chunk, Schedule, Scheduler, SchedulerState
 from service.generate.sequence import Sequence
 
 KV_HEADS = [2, 1]
@@ -254,18 +254,21 @@ def test_a_long_prompt_joining_running_streams_runs_in_chunks_while_they_get_a_t
 
 
 def test_a_long_prompt_is_not_padded_into_a_batch_of_short_ones(concatenated_dir):
-    """Admitted together with nothing decoding, four short prompts run as one prefill and the 101-token prompt
-    after them in the next step: padded into their batch, each short one would cost as much as the long one."""
+    """Queued together with nothing decoding, four short prompts run as one prefill and the 101-token prompt
+    after them in the next step: padded into their batch, each short one would cost as much as the long one. The
+    scheduler's plans, run by the runner."""
     runtime = load_decoder(concatenated_dir, _name(2), "cpu", 1)
     shorts = [[BOS_ID, *range(50 + i, 60 + i)] for i in range(4)]  # 11 tokens each
 
     async def steps() -> list[list[int]]:
         def seq(prompt: list[int]) -> Sequence:
-            return Sequence(tuple(prompt), _greedy(4), TextOutput(_greedy(4), EOS_ID, True), asyncio.Queue())
+            return Sequence(tuple(prompt), _greedy(4), TextOutput(_greedy(4), EOS_ID, True))
 
-        runner, admitted = StepRunner(runtime), [*map(seq, shorts), seq(LONG_PROMPT)]
-        first = runner.execute(Schedule(1, tuple(admitted), (), (), ()))
-        second = runner.execute(Schedule(2, (), tuple(admitted), (), ()))
+        runner, scheduler = StepRunner(runtime), Scheduler("lm", GenerationSettings().limits(runtime.meta))
+        for queued in [*map(seq, shorts), seq(LONG_PROMPT)]:
+            scheduler.add(queued)
+        first = runner.execute(scheduler.schedule())
+        second = runner.execute(scheduler.schedule())
         return [[len(s.prompt) for s, _ in first], [len(s.prompt) for s, _ in second]]
 
     first, second = _run(steps())
@@ -287,12 +290,12 @@ def test_a_row_that_left_at_the_full_context_is_dropped_before_its_position_pass
         b = seq([BOS_ID, *range(60, 70)])
         got: list[int] = []
         if with_a:
-            runner.execute(Schedule(next(step), (a,), (), (), ()))  # a's cache: MAX_LEN - 6 tokens
+            runner.execute(Schedule(next(step), (Chunk.whole(a),), (), (), ()))  # a's cache: MAX_LEN - 6 tokens
             runner.execute(Schedule(next(step), (), (a,), (), ()))
         plans = [((b,), (a,) if with_a else ())] + [((), (a, b) if with_a else (b,))] * 3  # a's cache: MAX_LEN - 1
         plans += [((), (b,))] * 6  # a leaves, no join after: its row rides along
         for prefill, decode in plans:
-            out = runner.execute(Schedule(next(step), prefill, decode, (), ()))
+            out = runner.execute(Schedule(next(step), tuple(map(Chunk.whole, prefill)), decode, (), ()))
             got += [token for s, token in out if s is b]
         return got
 

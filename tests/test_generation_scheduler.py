@@ -47,13 +47,13 @@ def test_sequences_are_admitted_in_arrival_order_charged_rows_times_width_until_
             scheduler.add(seq)
         plan = scheduler.schedule()
         # a and b: 2 rows x (60 + 16) = 152; with c, 3 x 76 = 228 > 200: c waits, and d does not overtake it
-        assert plan.prefill == (a, b) and plan.decode == ()
+        assert plan.prefilling == (a, b) and plan.decode == ()
         state = scheduler.state()
         assert (state.running, state.waiting, state.kv_reserved_tokens, state.kv_budget_tokens) == (2, 2, 152, 200)
         scheduler.update([a], [], 0)  # a finished: its row is still in the cache, so still charged
         assert scheduler.state().kv_reserved_tokens == 152
         plan = scheduler.schedule()  # without a's row, b, c and d are 3 x 66
-        assert plan.prefill == (c, d) and plan.decode == (b,) and plan.drop_left
+        assert plan.prefilling == (c, d) and plan.decode == (b,) and plan.drop_left
         scheduler.update([], [a], 0)  # the step runner dropped a's row
         assert scheduler.state().kv_reserved_tokens == 3 * 66
 
@@ -65,11 +65,11 @@ def test_a_step_is_asked_to_drop_the_rows_that_left_when_they_would_keep_a_waiti
         scheduler = _scheduler(budget=100)
         a, b = _seq(10, 50), _seq(10, 50)  # 76 each: one at a time
         scheduler.add(a)
-        assert scheduler.schedule().prefill == (a,)
+        assert scheduler.schedule().prefilling == (a,)
         scheduler.update([a], [], 0)
         scheduler.add(b)
         plan = scheduler.schedule()
-        assert plan.prefill == (b,) and plan.drop_left  # a's row goes before b's joins, in the same step
+        assert plan.prefilling == (b,) and plan.drop_left  # a's row goes before b's joins, in the same step
         scheduler.update([], [a], 0)
         assert scheduler.state().kv_reserved_tokens == 76 and not scheduler.schedule().drop_left
 
@@ -82,21 +82,21 @@ def test_a_paused_sequence_leaves_the_batch_and_resumes_first_in_the_queue():
         a, b, c, d = _seq(10, 50), _seq(10, 50), _seq(10, 50), _seq(10, 50)  # 76 each: two at a time
         for seq in (a, b, c):
             scheduler.add(seq)
-        assert scheduler.schedule().prefill == (a, b)
+        assert scheduler.schedule().prefilling == (a, b)
         scheduler.pause(a)
         state = scheduler.state()
         assert (state.running, state.paused, state.kv_reserved_tokens) == (1, 1, 152)  # a's row is not dropped yet
         plan = scheduler.schedule()
-        assert plan.decode == (b,) and plan.prefill == (c,) and plan.drop_left  # a's room goes to c
+        assert plan.decode == (b,) and plan.prefilling == (c,) and plan.drop_left  # a's room goes to c
         scheduler.update([], [a], 0)
         a.started = 1.0  # its prefill had run: a resumed sequence never expires in the queue
         scheduler.add(d)
         scheduler.resume(a)
         scheduler.resume(a)  # once only
-        assert scheduler.state().waiting == 2 and scheduler.schedule().prefill == ()
+        assert scheduler.state().waiting == 2 and scheduler.schedule().prefilling == ()
         scheduler.update([b], [], 0)
         plan = scheduler.schedule()
-        assert plan.prefill == (a,) and plan.decode == (c,) and scheduler.state().paused == 0  # before d
+        assert plan.prefilling == (a,) and plan.decode == (c,) and scheduler.state().paused == 0  # before d
 
     _in_loop(body)
 
@@ -121,7 +121,7 @@ def test_the_running_limit_bounds_a_step_whatever_the_budget():
         seqs = [_seq(2, 2) for _ in range(3)]
         for seq in seqs:
             scheduler.add(seq)
-        assert scheduler.schedule().prefill == tuple(seqs[:2])
+        assert scheduler.schedule().prefilling == tuple(seqs[:2])
         assert scheduler.state().waiting == 1
 
     _in_loop(body)
@@ -137,7 +137,7 @@ def test_cancelled_and_aborted_sequences_leave_at_the_next_step_and_their_rows_f
         scheduler.stop(a, CANCELLED)
         scheduler.stop(c, ABORT)
         plan = scheduler.schedule()
-        assert set(plan.left) == {a, c} and plan.decode == (b,) and plan.prefill == ()
+        assert set(plan.left) == {a, c} and plan.decode == (b,) and plan.prefilling == ()
         assert (a.stop_reason, c.stop_reason) == (CANCELLED, ABORT)
         state = scheduler.state()
         assert (state.running, state.waiting, state.kv_reserved_tokens) == (1, 0, 2 * 56)  # a's row is held
@@ -167,7 +167,7 @@ def test_a_sequence_waiting_past_queue_timeout_expires_but_one_that_can_start_do
         scheduler.add(a)
         scheduler.add(b)
         plan = scheduler.schedule()
-        assert plan.prefill == (a,) and plan.expired == (b,)
+        assert plan.prefilling == (a,) and plan.expired == (b,)
         assert scheduler.state().waiting == 0
 
     _in_loop(body)
@@ -182,7 +182,7 @@ def test_drain_refuses_new_sequences_but_runs_the_queued_ones_and_close_aborts_t
         scheduler.drain()
         with pytest.raises(NotReadyError, match="shutting down"):
             scheduler.add(_seq(1, 1))
-        assert scheduler.schedule().prefill == (a,)
+        assert scheduler.schedule().prefilling == (a,)
         scheduler.abort_all(close=True)
         plan = scheduler.schedule()
         assert set(plan.left) == {a, b} and {a.stop_reason, b.stop_reason} == {ABORT}
@@ -237,17 +237,17 @@ def test_in_place_running_sequences_are_charged_their_tokens_so_far_and_the_youn
             scheduler.add(seq)
         plan = scheduler.schedule()
         # a: 2 blocks; b: 1 more and a block of room for a (4); c would need 5
-        assert plan.prefill == (a, b) and scheduler.state().kv_reserved_tokens == 48
+        assert plan.prefilling == (a, b) and scheduler.state().kv_reserved_tokens == 48
         _grow(a, 13)  # 33 tokens: 3 blocks, with b's 1 within the budget
         assert scheduler.schedule().decode == (a, b) and scheduler.state().preemptions == 0
         _grow(b, 7)  # 17 tokens: 2 blocks, 5 in all
         plan = scheduler.schedule()
-        assert plan.decode == (a,) and plan.prefill == ()
+        assert plan.decode == (a,) and plan.prefilling == ()
         state = scheduler.state()
         assert (state.running, state.waiting, state.preemptions, state.kv_reserved_tokens) == (1, 2, 1, 48)
         scheduler.update([a], [a], 0)  # a finished and its row dropped
         plan = scheduler.schedule()
-        assert plan.prefill == (b, c)  # b first, recomputing its 17 tokens, then c
+        assert plan.prefilling == (b, c)  # b first, recomputing its 17 tokens, then c
         assert scheduler.state().kv_reserved_tokens == 32 + 16
 
     _in_loop(body)

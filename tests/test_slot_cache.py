@@ -21,7 +21,7 @@ from service.generate import GenerateRequest, GenerationEngine, GenerationSettin
 from service.generate.output import TextOutput
 from service.generate.request import SamplingParams
 from service.generate.row_copy import _GRAPHS, RowCopy
-from service.generate.scheduler import Schedule
+from service.generate.scheduler import Chunk, Schedule
 from service.generate.sequence import Sequence
 from service.generate.session import load_decoder
 from service.generate.slot_cache import PAGE, buffer_width, page_tokens
@@ -58,6 +58,11 @@ def _seq(prompt: list[int], max_tokens: int) -> Sequence:
     return Sequence(tuple(prompt), params, TextOutput(params, EOS_ID, True))
 
 
+def _whole(seqs: list[Sequence] | tuple[Sequence, ...]) -> tuple[Chunk, ...]:
+    """Their whole prompts, run together."""
+    return tuple(map(Chunk.whole, seqs))
+
+
 def test_the_buffer_width_is_the_context_in_whole_pages_per_head(runtime):
     meta = runtime.meta
     assert page_tokens(meta, np.dtype(np.float32)) == PAGE // (meta.head_dim * 4) == 64
@@ -74,8 +79,8 @@ def test_rows_hold_their_own_pages_and_give_them_back_when_they_leave(runtime):
         runner = SlotRunner(runtime, GenerationSettings(max_running=8))
         seqs = [_seq([BOS_ID, *range(40, 40 + n - 1)], 20) for n in (3, 70, 130, 10)]
         before = _resident(runner)
-        runner.execute(Schedule(1, tuple(seqs), (), (), ()))  # the first three: 10 beside them would be padded
-        runner.execute(Schedule(2, (), tuple(seqs), (), ()))  # their decoding step, then the fourth's prefill
+        runner.execute(Schedule(1, _whole(seqs[:3]), (), (), ()))
+        runner.execute(Schedule(2, _whole(seqs[3:]), tuple(seqs[:3]), (), ()))  # their decoding step, the fourth's
         block, token = runner.cache.block, runner.cache.token_bytes
         held = [before, _resident(runner), sum(-(-n // block) * block for n in (4, 71, 131, 10)) * token]
         for step in range(3, 6):
@@ -104,7 +109,7 @@ def test_a_row_that_takes_a_leaving_ones_place_generates_what_it_generates_alone
         if not together:
             plans = [((last,), ()), *[((), (last,))] * 14]
         for step, (prefill, decode) in enumerate(plans, 1):
-            got += [t for s, t in runner.execute(Schedule(step, prefill, decode, (), ())) if s is last]
+            got += [t for s, t in runner.execute(Schedule(step, _whole(prefill), decode, (), ())) if s is last]
         return got
 
     assert asyncio.run(tokens(True)) == asyncio.run(tokens(False))

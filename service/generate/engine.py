@@ -43,7 +43,7 @@ class GenerationEngine:
             self._runner = SlotRunner(runtime, settings)
             limits = settings.limits(runtime.meta, itemsize, self._runner.cache.block)
         else:
-            self._runner = StepRunner(runtime, settings.io_binding, settings.prefill_chunk)
+            self._runner = StepRunner(runtime, settings.io_binding)
             limits = settings.limits(runtime.meta, itemsize)
         self._scheduler = Scheduler(self.name, limits)
         self._thread = threading.Thread(target=self._loop, name=f"{RUNS}{self.name}", daemon=True)
@@ -127,7 +127,7 @@ class GenerationEngine:
 
     def _fail(self, plan: Schedule, exc: Exception) -> None:
         self._runner.reset()  # the cache may be half-updated: every running sequence is in this plan and ends
-        running = [*plan.decode, *plan.prefill]
+        running = [*plan.decode, *(chunk.seq for chunk in plan.prefill)]
         self._scheduler.update(running, [*running, *self._runner.released], 0)  # the cache is dropped whole
         error = GenerationFailedError(f"model {self.name!r}: a decoding step failed: {exc}")
         _publish(self._ended(plan, time.perf_counter()) + [(seq, error) for seq in running])

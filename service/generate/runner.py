@@ -1,12 +1,11 @@
-"""The step runner: executes one Schedule on the decoder's ORT session (one batched decoding step for the running rows,
-then at most one prefill run: admitted prompts left-padded together, or the next chunk of a long one, which join the
-batch once their whole prompt has run) and samples each sequence's next token. Runs on the engine's thread only.
-No torch."""
+"""The step runner of a decoder whose graph concatenates its cache: executes one Schedule on the decoder's ORT session
+(one batched decoding step for the running rows, then its prefill: prompts left-padded together, or the next chunk
+of a long one, which joins the batch once its whole prompt has run) and samples each sequence's next token; the
+sampling and the prompt's logprobs are both runners'. Runs on the engine's thread only. No torch."""
 
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import replace
 
 import numpy as np
@@ -16,13 +15,9 @@ from contract.decoder_metadata import POSITION_IDS
 from contract.metadata import ATTENTION_MASK, INPUT_IDS
 from service.generate.kv_cache import BatchCache, Past, charged_width, nbytes
 from service.generate.sampling import logprobs_of, sample
-from service.generate.scheduler import Schedule
+from service.generate.scheduler import Chunk, Schedule
 from service.generate.sequence import Sequence
 from service.generate.session import DecoderRuntime
-from service.generate.settings import GenerationSettings
-
-PAD_WASTE = 2  # a prefill batch's padded tokens at most this many times its prompts' own...
-SMALL_PREFILL = 128  # ...unless it is this small anyway
 
 
 class StepRunner:
@@ -30,64 +25,49 @@ class StepRunner:
     sequences whose rows (or prompts not run) it dropped, and `peak_bytes` what the cache held at the step's peak
     (0 when it holds nothing after it)."""
 
-    def __init__(
-        self,
-        runtime: DecoderRuntime,
-        io_binding: bool | None = None,
-        prefill_chunk: int = GenerationSettings.prefill_chunk,
-    ) -> None:
-        """`io_binding` (None: on the GPU only): the KV cache stays where the session runs between steps.
-        `prefill_chunk`: prompt tokens (rows x padded width) one step runs while other sequences decode."""
+    def __init__(self, runtime: DecoderRuntime, io_binding: bool | None = None) -> None:
+        """`io_binding` (None: on the GPU only): the KV cache stays where the session runs between steps."""
         self._session, self._pad_id = runtime.session, runtime.meta.pad_id
         self._outputs = runtime.meta.output_names  # logits, then present.{i}.key|value
         self._cache = BatchCache(runtime.meta, np.dtype(runtime.cache_dtype), cache_device(runtime, io_binding))
         self._rows: list[Sequence | None] = []  # by row of the cache; None: a row whose sequence left
         self._owners: list[Sequence] = []  # by row: whose row it is, left or not (what the scheduler charges)
-        self._chunk = prefill_chunk
         self._max_len = runtime.meta.max_len
-        self._admitted: deque[Sequence] = deque()  # admitted, in order, their prompts not run yet
         self._partial: tuple[Sequence, dict] | None = None  # a prompt part-run in chunks, and its past (1, kv, n, hs)
         self.released: list[Sequence] = []
         self.peak_bytes = 0
 
     def execute(self, plan: Schedule) -> list[tuple[Sequence, int]]:
-        """Every sequence of `plan.decode` and `plan.prefill` with its next token. Rows not in `plan.decode` left
-        (cancelled, aborted, paused, or finished in the last step): they stay in the batch, unused, until the next
-        prefill's join drops them in the copy it makes anyway, until half the rows are such, until one would widen
-        the batch past its charge, or until the plan asks (then one copy drops them): a copy of the whole cache at
-        every leave took 9 % of the engine's thread at c=16 (py-spy)."""
+        """Every sequence of `plan.decode` with its next token, and those of `plan.prefill` whose context has run.
+        Rows of neither left (cancelled, aborted, paused, preempted, or finished in the last step): they stay in the
+        batch, unused, until the next prefill's join drops them in the copy it makes anyway, until half the rows are
+        such, until one would widen the batch past its charge, or until the plan asks (then one copy drops them): a
+        copy of the whole cache at every leave took 9 % of the engine's thread at c=16 (py-spy)."""
         self.released, self.peak_bytes = [], self._cache.nbytes
-        staying = {seq.id for seq in plan.decode}  # the scheduler's running sequences: prompts not run included
+        staying = {seq.id for seq in plan.decode} | {chunk.seq.id for chunk in plan.prefill}
         self._rows = [seq if seq is not None and seq.id in staying else None for seq in self._rows]
-        self._release([s for s in self._admitted if s.id not in staying])
-        self._admitted = deque(s for s in self._admitted if s.id in staying)
-        self._admitted.extend(plan.prefill)
         if self._partial is not None and self._partial[0].id not in staying:
             self._release([self._partial[0]])
             self._partial = None
         left = self._rows.count(None)
-        crowded = not self._admitted and not self._partial and 2 * left > len(self._rows)
+        crowded = not plan.prefill and 2 * left > len(self._rows)
         if left and (left == len(self._rows) or crowded or plan.drop_left or self._too_wide()):
             self._compact()
         tokens = self._decode() if self._rows else []
-        if self._partial is not None:
-            tokens += self._next_chunk(*self._partial)
-        elif self._admitted:
-            tokens += self._prefill()
+        if len(plan.prefill) == 1 and not plan.prefill[0].is_whole:
+            tokens += self._next_chunk(plan.prefill[0])
+        elif plan.prefill:
+            tokens += self._prefill([chunk.seq for chunk in plan.prefill])
         if not self._rows and self._partial is None:  # it holds nothing now
             self.peak_bytes = 0
         return tokens
 
     def reset(self) -> None:
-        """Forget the batch and the prompts not run (after a failed run: the cache may be half-updated)."""
-        forgotten = [*self._owners, *self._admitted, *([self._partial[0]] if self._partial else [])]
+        """Forget the batch (after a failed run: the cache may be half-updated)."""
+        forgotten = [*self._owners, *([self._partial[0]] if self._partial else [])]
         self._cache.clear()
-        self._rows, self._owners, self._admitted, self._partial = [], [], deque(), None
+        self._rows, self._owners, self._partial = [], [], None
         self._release(forgotten)
-
-    def _budget(self) -> int:
-        """Prompt tokens this step may run: a chunk while others decode (their next token waits for it), else all."""
-        return self._chunk if self._rows else 1 << 62
 
     def _too_wide(self) -> bool:
         """Whether the next step would widen the batch past the width its rows were charged for: a row that left
@@ -129,16 +109,8 @@ class StepRunner:
         rows = self._staying()
         return sample_next([self._rows[r] for r in rows], logits[rows, -1])
 
-    def _prefill(self) -> list[tuple[Sequence, int]]:
-        """One run for the admitted prompts that fit the step's budget together (rows x the longest), right-aligned
-        as the batch's rows are, with an empty past; a first prompt longer than the budget starts in chunks."""
-        budget = self._budget()
-        first = self._admitted[0]
-        if len(first.context) > budget:
-            self._admitted.popleft()
-            first.started = first.started or time.perf_counter()
-            return self._next_chunk(first, self._cache.empty_feeds(1))
-        seqs = prefill_batch(self._admitted, budget)
+    def _prefill(self, seqs: list[Sequence]) -> list[tuple[Sequence, int]]:
+        """One run for whole prompts, right-aligned as the batch's rows are, with an empty past."""
         now = time.perf_counter()
         contexts = [seq.context for seq in seqs]  # a resumed sequence recomputes its tokens so far too
         lengths = np.array([len(c) for c in contexts], np.int64)  # (n,)
@@ -158,12 +130,19 @@ class StepRunner:
             note_prompt(seq, logits[row, width - lengths[row] :], 0)  # (n, P, V): right-aligned
         return sample_next(seqs, logits[:, -1])  # the last column is every prompt's last token: right-aligned
 
-    def _next_chunk(self, seq: Sequence, past: dict[str, np.ndarray | ort.OrtValue]) -> list[tuple[Sequence, int]]:
-        """The next `budget` tokens of `seq`'s prompt on `past`, the feeds of those before them (1, kv, done, hs);
-        once the last has run, `seq` joins the batch with its first token."""
+    def _next_chunk(self, chunk: Chunk) -> list[tuple[Sequence, int]]:
+        """A chunk of a prompt on the past of those before it (1, kv, done, hs), empty for its first; once its last
+        has run, the sequence joins the batch with its first token."""
+        seq = chunk.seq
+        if chunk.start:
+            assert self._partial is not None and self._partial[0] is seq
+            past = self._partial[1]
+        else:
+            seq.started = seq.started or time.perf_counter()
+            past = self._cache.empty_feeds(1)
         done = _width(next(iter(past.values())))
         context = seq.context
-        ids = np.asarray(context[done : done + self._budget()], np.int64)[None]  # (1, n)
+        ids = np.asarray(context[done : done + chunk.count], np.int64)[None]  # (1, n)
         end = done + ids.shape[1]
         feeds = {
             INPUT_IDS: ids,
@@ -193,22 +172,6 @@ class StepRunner:
 
     def _run(self, feeds: dict[str, np.ndarray | ort.OrtValue]) -> tuple[np.ndarray, Past]:
         return run_step(self._session, self._outputs, feeds, self._cache.device)
-
-
-def prefill_batch(admitted: deque[Sequence], budget: int) -> list[Sequence]:
-    """The admitted prompts one prefill runs together, taken from `admitted` in order: while their padded size (rows
-    x the longest) fits `budget` and is at most PAD_WASTE times their own tokens (or small), since a short prompt
-    beside a long one costs as much as the long one."""
-    seqs = [admitted.popleft()]
-    real = width = len(seqs[0].context)
-    while admitted:
-        n = len(admitted[0].context)
-        padded = (len(seqs) + 1) * max(width, n)
-        if padded > budget or padded > max(PAD_WASTE * (real + n), SMALL_PREFILL):
-            break
-        seqs.append(admitted.popleft())
-        real, width = real + n, max(width, n)
-    return seqs
 
 
 def sample_next(seqs: list[Sequence] | tuple[Sequence, ...], logits: np.ndarray) -> list[tuple[Sequence, int]]:

@@ -1,6 +1,10 @@
-"""Iteration-level scheduling (Orca, vLLM v1): which sequences run the next step. Waiting sequences are admitted in
-arrival order while the KV budget and the running limit allow. The budget is charged for what the cache layout holds
-(service/generate/kv_cache.py): every row it holds, a running sequence's or one that left and is not dropped yet,
+"""Iteration-level scheduling (Orca, vLLM v1): what the next step computes, sequence by sequence, the runner only
+building its inputs: a token for each running sequence whose context has run, and prompt tokens within one budget
+(`prefill_chunk` while others decode): the next chunk of a long prompt, or waiting prompts admitted together (in
+arrival order, while the KV budget and the running limit allow, and not padded far past their own tokens). The KV
+budget is charged for what the cache layout holds: where it is written in place (slot_cache.py), each running
+sequence's tokens in whole pages, the youngest preempted when the next step would not fit; else
+(service/generate/kv_cache.py) every row it holds, a running sequence's or one that left and is not dropped yet,
 times the width the batch may reach, as TGI charges a batch for its padding. Cancelled, aborted and timed-out
 sequences leave at once; a sequence whose consumer stops reading is paused (its row dropped) and resumed, recomputed,
 when the consumer reads again. A bounded wait: max_waiting, queue_timeout_s. No torch, no HTTP."""
@@ -18,17 +22,48 @@ from service.generate.output import ABORT
 from service.generate.sequence import Sequence
 from service.generate.slot_cache import charge
 
+PAD_WASTE = 2  # prompts run together pad to the longest: at most this many times their own tokens...
+SMALL_PREFILL = 128  # ...unless the run is this small anyway
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Prompt tokens a step runs for one sequence: its context's [start, start + count), those before it cached."""
+
+    seq: Sequence
+    start: int
+    count: int
+
+    @classmethod
+    def whole(cls, seq: Sequence) -> Chunk:
+        return cls(seq, 0, len(seq.context))
+
+    @property
+    def is_whole(self) -> bool:
+        return self.start == 0 and self.count == len(self.seq.context)
+
+    @property
+    def last(self) -> bool:
+        """Whether its context has run once this chunk has: the sequence then has its first token."""
+        return self.start + self.count == len(self.seq.context)
+
 
 @dataclass(frozen=True)
 class Schedule:
-    """One step's plan, handed to the step runner and then to the update."""
+    """One step's plan, handed to the step runner and then to the update. Every row not of `decode` or `prefill`
+    leaves the batch."""
 
     step: int
-    prefill: tuple[Sequence, ...]  # admitted now (or resumed): their prompts (and tokens so far) run, then they join
-    decode: tuple[Sequence, ...]  # running already: one token each; every other row leaves the batch
+    # prompt tokens (a resumed sequence's tokens so far too): whole prompts run together, or one chunk of a long one
+    prefill: tuple[Chunk, ...]
+    decode: tuple[Sequence, ...]  # running, their context run: one token each
     left: tuple[Sequence, ...]  # ended from outside (cancelled, aborted) since the last step: their last events
     expired: tuple[Sequence, ...]  # waited past queue_timeout_s without starting: they end with QueueTimeoutError
     drop_left: bool = False  # rows that left stand in the way of a waiting sequence: drop them now
+
+    @property
+    def prefilling(self) -> tuple[Sequence, ...]:
+        return tuple(chunk.seq for chunk in self.prefill)
 
 
 @dataclass(frozen=True)
@@ -63,6 +98,7 @@ class Limits:
     # 0: the cache is a rectangle of rows x width (service/generate/kv_cache.py); else it is written in place, and each
     # sequence holds its own final length rounded up to whole blocks of this many tokens (slot_cache.py)
     block: int = 0
+    prefill_chunk: int = 1 << 62  # prompt tokens (rows x padded width) a step runs while others decode
 
 
 class Scheduler:
@@ -137,8 +173,8 @@ class Scheduler:
                 self._work.wait()
             left = self._take_stopped()
             self._preempt()
-            decode = tuple(self._running.values())
-            prefill, drop_left = self._admit()  # before the timeout: one that can start now does, however late
+            decode = tuple(s for s in self._running.values() if not s.pending)
+            prefill, drop_left = self._prefill(bool(decode))  # before the timeout: one that can start now does
             expired = self._take_expired(time.perf_counter())
             if self._closed and not (left or expired or decode or prefill or self._held):
                 return None
@@ -217,21 +253,54 @@ class Scheduler:
             self._waiting = deque(s for s in self._waiting if s.started or now - s.arrived <= limit)
         return expired
 
-    def _admit(self) -> tuple[tuple[Sequence, ...], bool]:
-        """Waiting sequences that fit, in order, and whether the rows that left must be dropped this step (before
-        the new ones join) for them to fit; the first that does not fit stops admission (no overtaking, so a long
-        request is not starved by short ones). Lock held."""
-        admitted, drop, budget = [], False, self._limits.kv_budget_tokens
+    def _prefill(self, decoding: bool) -> tuple[tuple[Chunk, ...], bool]:
+        """This step's prompt tokens, within `prefill_chunk` while others decode (their next token waits for it):
+        the next chunk of the prompt running in chunks, else the waiting prompts `_admit` takes (a first one longer
+        than the budget starts in chunks). Lock held."""
+        budget = self._limits.prefill_chunk if decoding else 1 << 62
+        partial = next((s for s in self._running.values() if s.pending), None)
+        if partial is not None:
+            return (self._chunk(partial, budget),), False
+        admitted, drop = self._admit(budget)
+        if len(admitted) == 1 and len(admitted[0].context) > budget:
+            return (self._chunk(admitted[0], budget),), drop
+        for seq in admitted:
+            seq.pending = 0
+        return tuple(Chunk.whole(seq) for seq in admitted), drop
+
+    @staticmethod
+    def _chunk(seq: Sequence, budget: int) -> Chunk:
+        count = min(seq.pending, budget)
+        chunk = Chunk(seq, len(seq.context) - seq.pending, count)
+        seq.pending -= count
+        return chunk
+
+    def _admit(self, budget: int) -> tuple[tuple[Sequence, ...], bool]:
+        """Waiting sequences whose prompts run together this step, in order, and whether the rows that left must be
+        dropped this step (before the new ones join) for them to fit. They run together while they fit the KV
+        budget and the running limit, and their padded size (rows x the longest) fits `budget` and is at most
+        PAD_WASTE times their own tokens (or small), since a short prompt beside a long one costs as much as the long
+        one; a first prompt longer than `budget` runs alone, in chunks. The first that cannot join stops admission
+        (no overtaking, so a long request is not starved by short ones). Lock held."""
+        admitted: list[Sequence] = []
+        drop, real, width, room = False, 0, 0, self._limits.kv_budget_tokens
         while self._waiting and len(self._running) < self._limits.max_running:
             seq = self._waiting[0]
-            if self._limits.block:  # in place: room for its tokens, and a watermark (below); left rows go first
-                if self._reserved(seq, held=False) + self._watermark() > budget:
+            n = len(seq.context)
+            if admitted:
+                padded = (len(admitted) + 1) * max(width, n)
+                if width > budget or padded > budget or padded > max(PAD_WASTE * (real + n), SMALL_PREFILL):
                     break
-            elif self._reserved(seq, held=not drop) > budget:
-                if drop or not self._held or self._reserved(seq, held=False) > budget:
+            if self._limits.block:  # in place: room for its tokens, and a watermark (below); left rows go first
+                if self._reserved(seq, held=False) + self._watermark() > room:
+                    break
+            elif self._reserved(seq, held=not drop) > room:
+                if drop or not self._held or self._reserved(seq, held=False) > room:
                     break
                 drop = True
             self._waiting.popleft()
             self._running[seq.id] = seq
+            seq.pending = n
             admitted.append(seq)
+            real, width = real + n, max(width, n)
         return tuple(admitted), drop

@@ -33,6 +33,7 @@ class Sequence:
         "next_input",
         "output",
         "params",
+        "pending",
         "prompt",
         "prompt_logprobs",
         "prompt_sent",
@@ -57,6 +58,7 @@ class Sequence:
         self.started = 0.0  # when its prefill started
         self.first_token = 0.0  # when its first token's event was made
         self.next_input = -1  # the last token generated: the input of its next decoding step
+        self.pending = 0  # context tokens still to run before it decodes (the scheduler's, counted at admission)
         self.generated: list[int] = []  # its tokens so far: with the prompt, what a resumed sequence recomputes
         self.logprobs: TokenLogprobs | None = None  # its last token's, when its params ask (set by the sampling)
         # its prompt tokens' (the first's NaN: nothing comes before it), filled as its prompt's chunks run (when its

@@ -92,7 +92,14 @@ class GenerationSettings:
         copies, block = _layout(meta, itemsize, block)
         budget_bytes = copies * tokens * token_bytes(meta, np.dtype(f"f{itemsize}"))
         return Limits(
-            tokens, meta.max_len, self.max_running, self.max_waiting, self.queue_timeout_s, budget_bytes, block
+            tokens,
+            meta.max_len,
+            self.max_running,
+            self.max_waiting,
+            self.queue_timeout_s,
+            budget_bytes,
+            block,
+            self.prefill_chunk,
         )
 
 

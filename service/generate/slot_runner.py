@@ -1,19 +1,17 @@
 """The step runner of a decoder whose cache is written in place (service/generate/slot_cache.py): executes one
-Schedule (one decoding step for the running rows, then at most one prefill run: admitted prompts padded together,
-or the next chunk of a long one) with the cache's rows bound as past and present, and samples each sequence's next
-token. The same contract as StepRunner's (`execute`, `released`, `peak_bytes`, `reset`). Runs on the engine's
-thread only. No torch."""
+Schedule (one decoding step for the running rows, then its prefill: prompts padded together, or the next chunk of a
+long one) with the cache's rows bound as past and present, and samples each sequence's next token. The same contract
+as StepRunner's (`execute`, `released`, `peak_bytes`, `reset`). Runs on the engine's thread only. No torch."""
 
 from __future__ import annotations
 
 import time
-from collections import deque
 
 import numpy as np
 import onnxruntime as ort
 
-from service.generate.runner import cache_device, note_prompt, prefill_batch, sample_next
-from service.generate.scheduler import Schedule
+from service.generate.runner import cache_device, note_prompt, sample_next
+from service.generate.scheduler import Chunk, Schedule
 from service.generate.sequence import Sequence
 from service.generate.session import DecoderRuntime
 from service.generate.settings import GenerationSettings
@@ -40,8 +38,6 @@ class SlotRunner:
         self.cache = SlotCache(runtime.meta, dtype, slot_rows(runtime, settings, device), device, providers)
         self._seqs: list[Sequence] = []
         self._partial: Sequence | None = None  # a prompt part-run in chunks: the last row, its tokens so far cached
-        self._admitted: deque[Sequence] = deque()  # admitted, in order, their prompts not run yet
-        self._chunk = settings.prefill_chunk
         self.released: list[Sequence] = []
         self.peak_bytes = 0
 
@@ -50,27 +46,24 @@ class SlotRunner:
         return len(self._seqs) - (self._partial is not None)
 
     def execute(self, plan: Schedule) -> list[tuple[Sequence, int]]:
-        """Every sequence of `plan.decode` and `plan.prefill` with its next token. Rows not in `plan.decode` left
-        (cancelled, aborted, paused, or finished in the last step): each takes the last row's place at once."""
+        """Every sequence of `plan.decode` with its next token, and those of `plan.prefill` whose context has run.
+        Rows of neither left (cancelled, aborted, paused, preempted, or finished in the last step): each takes the
+        last row's place at once."""
         self.released = []
-        staying = {seq.id for seq in plan.decode}  # the scheduler's running sequences: prompts not run included
-        self._leave(staying)
-        self.released += [s for s in self._admitted if s.id not in staying]
-        self._admitted = deque(s for s in self._admitted if s.id in staying)
-        self._admitted.extend(plan.prefill)
+        self._leave({seq.id for seq in plan.decode} | {chunk.seq.id for chunk in plan.prefill})
         tokens = self._decode() if self._decoding else []
-        if self._partial is not None:
-            tokens += self._next_chunk()
-        elif self._admitted:
-            tokens += self._prefill()
+        if len(plan.prefill) == 1 and not plan.prefill[0].is_whole:
+            tokens += self._next_chunk(plan.prefill[0])
+        elif plan.prefill:
+            tokens += self._prefill([chunk.seq for chunk in plan.prefill])
         self.peak_bytes = self.cache.nbytes if self._seqs else 0
         return tokens
 
     def reset(self) -> None:
-        """Forget the rows and the prompts not run (after a failed run: the cache may be half-written)."""
-        self.released = [*self._seqs, *self._admitted]
+        """Forget the rows (after a failed run: the cache may be half-written)."""
+        self.released = list(self._seqs)
         self.cache.clear()
-        self._seqs, self._partial, self._admitted = [], None, deque()
+        self._seqs, self._partial = [], None
 
     def _leave(self, staying: set[int]) -> None:
         """The decoding rows whose sequences left are filled by the last ones that stay, then the prompt in chunks
@@ -106,23 +99,9 @@ class SlotRunner:
         self.cache.advance(rows)
         return sample_next(seqs, logits[:, -1])
 
-    def _budget(self) -> int:
-        """Prompt tokens this step may run: a chunk while others decode (their next token waits for it), else all."""
-        return self._chunk if self._decoding else 1 << 62
-
-    def _prefill(self) -> list[tuple[Sequence, int]]:
-        """One run for the admitted prompts that fit the step's budget together, into new rows at the end; a first
-        prompt longer than the budget starts in chunks."""
-        budget, first = self._budget(), self._admitted[0]
+    def _prefill(self, seqs: list[Sequence]) -> list[tuple[Sequence, int]]:
+        """One run for whole prompts, padded together, into new rows at the end."""
         now = time.perf_counter()
-        if len(first.context) > budget:
-            self._admitted.popleft()
-            first.started = first.started or now
-            self.cache.add([0])
-            self._seqs.append(first)
-            self._partial = first
-            return self._next_chunk()
-        seqs = prefill_batch(self._admitted, budget)
         contexts = [seq.context for seq in seqs]  # a resumed sequence recomputes its tokens so far too
         for seq in seqs:
             seq.started = seq.started or now
@@ -135,17 +114,21 @@ class SlotRunner:
         last = np.array([len(c) - 1 for c in contexts])  # (n,): each prompt's last token, its column
         return sample_next(seqs, logits[np.arange(len(seqs)), last])
 
-    def _next_chunk(self) -> list[tuple[Sequence, int]]:
-        """The next part of the prompt in chunks, into its row after the tokens run before; once the last has run,
-        its row is a decoding one and it has its first token."""
-        seq, row = self._partial, len(self._seqs) - 1
-        assert seq is not None
-        done, context = int(self.cache.lengths[row]), seq.context
-        ids = np.asarray(context[done : done + self._budget()], np.int64)[None]  # (1, c)
+    def _next_chunk(self, chunk: Chunk) -> list[tuple[Sequence, int]]:
+        """A chunk of a prompt, into its row (a new last one for its first) after the tokens run before; once its
+        last has run, its row is a decoding one and it has its first token."""
+        seq, done = chunk.seq, chunk.start
+        if not done:
+            seq.started = seq.started or time.perf_counter()
+            self.cache.add([0])
+            self._seqs.append(seq)
+            self._partial = seq
+        row = len(self._seqs) - 1
+        ids = np.asarray(seq.context[done : done + chunk.count], np.int64)[None]  # (1, c)
         logits = self._run(SlotCache.chunk_feeds(ids, done), row, 1)  # (1, c, V)
         self.cache.grow(row, ids.shape[1])
         note_prompt(seq, logits[0], done)
-        if done + ids.shape[1] < len(context):
+        if not chunk.last:
             return []
         self._partial = None
         return sample_next([seq], logits[:, -1])
