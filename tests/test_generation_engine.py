@@ -43,8 +43,9 @@ from service.generate import (
 )
 from service.generate.kv_cache import BatchCache, charged_width
 from service.generate.output import TextOutput
+from service.generate.plan import Chunk, Schedule
 from service.generate.runner import StepRunner
-from service.generate.scheduler import Chunk, Schedule, Scheduler, SchedulerState
+from service.generate.scheduler import Scheduler, SchedulerState
 from service.generate.sequence import Sequence
 
 KV_HEADS = [2, 1]

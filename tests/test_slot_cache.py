@@ -19,9 +19,9 @@ from export import decoder_export
 from export.decoder import DecoderConfig, DecoderLM
 from service.generate import GenerateRequest, GenerationEngine, GenerationSettings
 from service.generate.output import TextOutput
+from service.generate.plan import Chunk, Schedule
 from service.generate.request import SamplingParams
 from service.generate.row_copy import _GRAPHS, RowCopy
-from service.generate.scheduler import Chunk, Schedule
 from service.generate.sequence import Sequence
 from service.generate.session import load_decoder
 from service.generate.slot_cache import PAGE, buffer_width, page_tokens

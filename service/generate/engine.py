@@ -16,9 +16,10 @@ from service import heap
 from service.drain import until_idle
 from service.errors import GenerationFailedError, QueueTimeoutError
 from service.generate.output import CANCELLED, LENGTH, TextOutput
+from service.generate.plan import Schedule
 from service.generate.request import GenerateRequest, TokenEvent
 from service.generate.runner import StepRunner
-from service.generate.scheduler import Schedule, Scheduler, SchedulerState
+from service.generate.scheduler import Scheduler, SchedulerState
 from service.generate.sequence import Sequence
 from service.generate.session import DecoderRuntime, load_decoder
 from service.generate.settings import GenerationSettings

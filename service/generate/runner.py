@@ -14,8 +14,8 @@ import onnxruntime as ort
 from contract.decoder_metadata import POSITION_IDS
 from contract.metadata import ATTENTION_MASK, INPUT_IDS
 from service.generate.kv_cache import BatchCache, Past, charged_width, nbytes
+from service.generate.plan import Chunk, Schedule
 from service.generate.sampling import logprobs_of, sample
-from service.generate.scheduler import Chunk, Schedule
 from service.generate.sequence import Sequence
 from service.generate.session import DecoderRuntime
 

@@ -19,51 +19,12 @@ from dataclasses import dataclass
 from service.errors import ModelQueueFullError, NotReadyError
 from service.generate.kv_cache import charged_width
 from service.generate.output import ABORT
+from service.generate.plan import Chunk, Schedule
 from service.generate.sequence import Sequence
 from service.generate.slot_cache import charge
 
 PAD_WASTE = 2  # prompts run together pad to the longest: at most this many times their own tokens...
 SMALL_PREFILL = 128  # ...unless the run is this small anyway
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """Prompt tokens a step runs for one sequence: its context's [start, start + count), those before it cached."""
-
-    seq: Sequence
-    start: int
-    count: int
-
-    @classmethod
-    def whole(cls, seq: Sequence) -> Chunk:
-        return cls(seq, 0, len(seq.context))
-
-    @property
-    def is_whole(self) -> bool:
-        return self.start == 0 and self.count == len(self.seq.context)
-
-    @property
-    def last(self) -> bool:
-        """Whether its context has run once this chunk has: the sequence then has its first token."""
-        return self.start + self.count == len(self.seq.context)
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """One step's plan, handed to the step runner and then to the update. Every row not of `decode` or `prefill`
-    leaves the batch."""
-
-    step: int
-    # prompt tokens (a resumed sequence's tokens so far too): whole prompts run together, or one chunk of a long one
-    prefill: tuple[Chunk, ...]
-    decode: tuple[Sequence, ...]  # running, their context run: one token each
-    left: tuple[Sequence, ...]  # ended from outside (cancelled, aborted) since the last step: their last events
-    expired: tuple[Sequence, ...]  # waited past queue_timeout_s without starting: they end with QueueTimeoutError
-    drop_left: bool = False  # rows that left stand in the way of a waiting sequence: drop them now
-
-    @property
-    def prefilling(self) -> tuple[Sequence, ...]:
-        return tuple(chunk.seq for chunk in self.prefill)
 
 
 @dataclass(frozen=True)

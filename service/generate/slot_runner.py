@@ -10,8 +10,8 @@ import time
 import numpy as np
 import onnxruntime as ort
 
+from service.generate.plan import Chunk, Schedule
 from service.generate.runner import cache_device, note_prompt, sample_next
-from service.generate.scheduler import Chunk, Schedule
 from service.generate.sequence import Sequence
 from service.generate.session import DecoderRuntime
 from service.generate.settings import GenerationSettings
