@@ -57,9 +57,10 @@ def _items(topic: str, text: str) -> list[Item]:
 
 
 def _spread(items: list[Item], count: int, offset: int) -> list[Item]:
-    """`count` items evenly spaced over `items`, starting `offset` of a step in (the two tasks take different lines)."""
+    """`count` items evenly spaced over `items`; `offset` 1 starts half a step in (the two tasks take different lines),
+    and where there are too few, each takes every other item from its own first."""
     if len(items) <= count:
-        return items[offset % 2 :: 2] if offset else items[::2]
+        return items[offset::2]
     step = len(items) / count
     return [items[int(step * (k + offset / 2))] for k in range(count)]
 

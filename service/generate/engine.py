@@ -128,7 +128,7 @@ class GenerationEngine:
 
     def _fail(self, plan: Schedule, exc: Exception) -> None:
         self._runner.reset()  # the cache may be half-updated: every running sequence is in this plan and ends
-        running = [*plan.decode, *(chunk.seq for chunk in plan.prefill)]
+        running = list(plan.running)
         self._scheduler.update(running, [*running, *self._runner.released], 0)  # the cache is dropped whole
         error = GenerationFailedError(f"model {self.name!r}: a decoding step failed: {exc}")
         _publish(self._ended(plan, time.perf_counter()) + [(seq, error) for seq in running])

@@ -46,3 +46,13 @@ class Schedule:
     @property
     def prefilling(self) -> tuple[Sequence, ...]:
         return tuple(chunk.seq for chunk in self.prefill)
+
+    @property
+    def running(self) -> tuple[Sequence, ...]:
+        """The sequences this step computes for: their rows stay, every other row leaves."""
+        return self.decode + self.prefilling
+
+    @property
+    def chunk(self) -> Chunk | None:
+        """The prefill's chunk of a long prompt (run alone), or None when it runs whole prompts (or none)."""
+        return self.prefill[0] if len(self.prefill) == 1 and not self.prefill[0].is_whole else None

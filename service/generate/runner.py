@@ -44,7 +44,7 @@ class StepRunner:
         such, until one would widen the batch past its charge, or until the plan asks (then one copy drops them): a
         copy of the whole cache at every leave took 9 % of the engine's thread at c=16 (py-spy)."""
         self.released, self.peak_bytes = [], self._cache.nbytes
-        staying = {seq.id for seq in plan.decode} | {chunk.seq.id for chunk in plan.prefill}
+        staying = {seq.id for seq in plan.running}
         self._rows = [seq if seq is not None and seq.id in staying else None for seq in self._rows]
         if self._partial is not None and self._partial[0].id not in staying:
             self._release([self._partial[0]])
@@ -54,10 +54,10 @@ class StepRunner:
         if left and (left == len(self._rows) or crowded or plan.drop_left or self._too_wide()):
             self._compact()
         tokens = self._decode() if self._rows else []
-        if len(plan.prefill) == 1 and not plan.prefill[0].is_whole:
-            tokens += self._next_chunk(plan.prefill[0])
+        if plan.chunk is not None:
+            tokens += self._next_chunk(plan.chunk)
         elif plan.prefill:
-            tokens += self._prefill([chunk.seq for chunk in plan.prefill])
+            tokens += self._prefill(list(plan.prefilling))
         if not self._rows and self._partial is None:  # it holds nothing now
             self.peak_bytes = 0
         return tokens

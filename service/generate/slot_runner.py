@@ -50,12 +50,12 @@ class SlotRunner:
         Rows of neither left (cancelled, aborted, paused, preempted, or finished in the last step): each takes the
         last row's place at once."""
         self.released = []
-        self._leave({seq.id for seq in plan.decode} | {chunk.seq.id for chunk in plan.prefill})
+        self._leave({seq.id for seq in plan.running})
         tokens = self._decode() if self._decoding else []
-        if len(plan.prefill) == 1 and not plan.prefill[0].is_whole:
-            tokens += self._next_chunk(plan.prefill[0])
+        if plan.chunk is not None:
+            tokens += self._next_chunk(plan.chunk)
         elif plan.prefill:
-            tokens += self._prefill([chunk.seq for chunk in plan.prefill])
+            tokens += self._prefill(list(plan.prefilling))
         self.peak_bytes = self.cache.nbytes if self._seqs else 0
         return tokens
 
